@@ -1,0 +1,17 @@
+"""attnforge: one attention() call across GPU generations, with a dispatcher that explains itself.
+
+    import attnforge
+    out = attnforge.attention(q, k, v, causal=True)
+    print(attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096))
+"""
+
+from . import backends as _backends  # registers the backends of this build
+from ._version import __version__
+from .api import attention, explain
+from .backends.reference import math_attention
+from .dispatch import PROFILES, Decision, DeviceSpec, Problem, profile, registered, use_backend
+from .errors import AttnforgeError, BackendUnavailableError, InvalidInputError, UnknownNameError
+
+__all__ = ["AttnforgeError", "BackendUnavailableError", "Decision", "DeviceSpec", "InvalidInputError",
+           "PROFILES", "Problem", "UnknownNameError", "__version__", "attention", "explain", "math_attention",
+           "profile", "registered", "use_backend"]

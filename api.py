@@ -1,0 +1,97 @@
+"""The public entry points: attention() and explain()."""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import device as devices
+from .dispatch import registry
+from .dispatch.decision import Decision
+from .dispatch.problem import Problem, check_dropout, check_scale, dtype_name, problem_from_tensors
+from .dispatch.select import decide, forced_backend
+from .errors import BackendUnavailableError, InvalidInputError
+
+
+class _Attention(torch.autograd.Function):
+    """Autograd glue for backends whose backward runs from the saved output and LSE."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fwd, bwd, causal, scale, dropout_p):
+        out, lse = fwd.forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.bwd, ctx.causal, ctx.scale = bwd, causal, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if ctx.bwd is None:
+            raise BackendUnavailableError("attention was called with no input requiring grad, so no "
+                                          "backward was chosen; set requires_grad before the call")
+        dq, dk, dv = ctx.bwd.backward(q, k, v, out, lse, dout, causal=ctx.causal, scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              scale: float | None = None, dropout_p: float = 0.0, layout: str = "bhsd",
+              return_lse: bool = False, backend: str | None = None):
+    """Exact attention softmax(q k^T * scale) v on the best backend for the device, dtype and shapes.
+
+    q: (batch, heads_q, seqlen_q, head_dim), k: (batch, heads_kv, seqlen_k, head_dim),
+    v: (batch, heads_kv, seqlen_k, head_dim_v) for ``layout="bhsd"``; ``"bshd"`` swaps heads and
+    seqlen. heads_q must be a multiple of heads_kv (GQA/MQA). ``scale`` defaults to
+    1/sqrt(head_dim). With ``causal``, query i sees key j iff j <= i + seqlen_k - seqlen_q
+    (bottom-right, as FlashAttention); a row that sees no key gives 0. Returns the output in q's
+    dtype and layout, and with ``return_lse`` also the natural-log LSE (batch, heads_q, seqlen_q)
+    in fp32 (-inf for rows that see no key). ``backend`` forces one backend (see use_backend).
+    """
+    problem = problem_from_tensors(q, k, v, layout=layout, causal=causal, dropout_p=dropout_p,
+                                   return_lse=return_lse)
+    scale = check_scale(scale, problem.head_dim)
+    decision = decide(problem, *forced_backend(backend))
+    if not decision.ok:
+        raise BackendUnavailableError(str(decision))
+    if layout == "bshd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    fwd = registry.get(decision.forward.backend)
+    if fwd.autograd_native:
+        out, lse = fwd.forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p)
+    else:
+        bwd = registry.get(decision.backward.backend) if decision.backward else None
+        out, lse = _Attention.apply(q, k, v, fwd, bwd, causal, scale, dropout_p)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
+            device=None, dtype=None, head_dim: int | None = None, seqlen_q: int | None = None,
+            seqlen_k: int | None = None, batch: int = 1, heads: int = 1, kv_heads: int | None = None,
+            causal: bool = False, dropout_p: float = 0.0, needs_grad: bool = False,
+            head_dim_v: int | None = None, return_lse: bool = False, layout: str = "bhsd",
+            backend: str | None = None) -> Decision:
+    """The Decision attention() would take, without running anything.
+
+    Give tensors (their shapes and dtype are used) or plain shapes (dtype, head_dim and seqlen_q
+    required). ``device`` is a profile name (``"H100"``, ``"MI300X"``, ...; see PROFILES), a
+    DeviceSpec or a torch device; default: the tensors' device, else this machine's.
+    """
+    spec = None if device is None else devices.resolve(device)
+    if q is not None or k is not None or v is not None:
+        if q is None or k is None or v is None:
+            raise InvalidInputError("explain() takes q, k and v together, or none of them and plain shapes")
+        problem = problem_from_tensors(q, k, v, spec, layout=layout, causal=causal, dropout_p=dropout_p,
+                                       return_lse=return_lse,
+                                       needs_grad=needs_grad or q.requires_grad or k.requires_grad or v.requires_grad)
+    else:
+        missing = [n for n, x in (("dtype", dtype), ("head_dim", head_dim), ("seqlen_q", seqlen_q)) if x is None]
+        if missing:
+            raise InvalidInputError(f"explain() without tensors needs {', '.join(missing)}")
+        problem = Problem(batch=batch, heads_q=heads, heads_kv=heads if kv_heads is None else kv_heads,
+                          seqlen_q=seqlen_q, seqlen_k=seqlen_q if seqlen_k is None else seqlen_k,
+                          head_dim=head_dim, head_dim_v=head_dim if head_dim_v is None else head_dim_v,
+                          dtype=dtype_name(dtype), device=spec or devices.detect(), causal=bool(causal),
+                          dropout=check_dropout(dropout_p) > 0, needs_grad=bool(needs_grad),
+                          return_lse=bool(return_lse))
+    return decide(problem, *forced_backend(backend))

@@ -1,0 +1,110 @@
+"""The reference kernels: FlashAttention's tiled online softmax written with torch ops.
+
+Forward walks K/V in blocks keeping a running max ``m``, sum ``l`` and unnormalised accumulator,
+rescaled by exp(m_old - m_new) at each block, exactly as the GPU kernels do; backward recomputes
+the probabilities from the saved LSE (FA2 Algorithm 2). Accumulation is fp32, or fp64 for fp64
+inputs, which makes it the test oracle. GQA is computed by viewing q as (batch, heads_kv, group,
+seqlen, d) against k/v broadcast over the group: no copies of k or v.
+
+Masking follows FlashAttention: with causal, key j is visible to query i iff j <= i + (Nk - Nq)
+(aligned bottom-right); a query row that sees no key gives output 0 and LSE -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_N = 128  # keys per tile; bounds the score tile at (batch*heads, seqlen_q, 128)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _grouped(q: torch.Tensor, heads_kv: int, acc: torch.dtype) -> torch.Tensor:
+    # (B, Hq, N, D) -> (B, Hkv, G, N, D): query head h uses kv head h // G, as FlashAttention does.
+    return q.unflatten(1, (heads_kv, q.shape[1] // heads_kv)).to(acc)
+
+
+def _mask_tile(s: torch.Tensor, start: int, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    rows = torch.arange(seqlen_q, device=s.device)[:, None]
+    cols = torch.arange(start, start + s.shape[-1], device=s.device)[None, :]
+    return s.masked_fill(cols > rows + (seqlen_k - seqlen_q), float("-inf"))
+
+
+def forward(q, k, v, *, causal: bool, scale: float, block_n: int = BLOCK_N):
+    """Returns (out in q's dtype, LSE in fp32 (fp64 for fp64 inputs)). Shapes (B, H, N, D)."""
+    acc_t = accumulation_dtype(q.dtype)
+    batch, heads_q, seqlen_q, _ = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    if heads_q == 0 or batch == 0:
+        return q.new_zeros(*q.shape[:3], v.shape[3]), torch.full(q.shape[:3], float("-inf"), dtype=acc_t, device=q.device)
+    qg = _grouped(q, heads_kv, acc_t)
+    m = torch.full(qg.shape[:-1], float("-inf"), dtype=acc_t, device=q.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(*qg.shape[:-1], v.shape[-1], dtype=acc_t, device=q.device)
+    for start in range(0, seqlen_k, block_n):
+        kb = k[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
+        vb = v[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
+        s = (qg @ kb.transpose(-1, -2)) * scale
+        if causal:
+            s = _mask_tile(s, start, seqlen_q, seqlen_k)
+        m_new = torch.maximum(m, s.amax(-1))
+        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: avoid inf - inf
+        p = torch.exp(s - m_safe[..., None])
+        alpha = torch.exp(m - m_safe)
+        l = alpha * l + p.sum(-1)
+        acc = alpha[..., None] * acc + p @ vb
+        m = m_new
+    seen = l > 0
+    out = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)
+    lse = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
+    return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
+
+
+def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, block_n: int = BLOCK_N):
+    """(dq, dk, dv) in the inputs' dtypes, recomputing P = exp(S - LSE) tile by tile."""
+    acc_t = accumulation_dtype(q.dtype)
+    batch, heads_q, seqlen_q, _ = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    dk = torch.zeros(k.shape, dtype=acc_t, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc_t, device=v.device)
+    if heads_q == 0 or batch == 0:
+        return torch.zeros_like(q), dk.to(k.dtype), dv.to(v.dtype)
+    qg = _grouped(q, heads_kv, acc_t)
+    dog = _grouped(dout, heads_kv, acc_t)
+    delta = (dog * _grouped(out, heads_kv, acc_t)).sum(-1)  # D_i = rowsum(dO * O)
+    # A row with no key has LSE -inf and P = 0; +inf makes exp(S - LSE) exactly 0 there, not NaN.
+    lse_g = _grouped(lse, heads_kv, acc_t).masked_fill(lse.unflatten(1, (heads_kv, -1)) == float("-inf"), float("inf"))
+    dq = torch.zeros_like(qg)
+    for start in range(0, seqlen_k, block_n):
+        kb = k[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
+        vb = v[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
+        s = (qg @ kb.transpose(-1, -2)) * scale
+        if causal:
+            s = _mask_tile(s, start, seqlen_q, seqlen_k)
+        p = torch.exp(s - lse_g[..., None])
+        dv[:, :, start:start + block_n] = (p.transpose(-1, -2) @ dog).sum(2)  # sum over the query-head group
+        dp = dog @ vb.transpose(-1, -2)
+        ds = p * (dp - delta[..., None])
+        dq += (ds @ kb) * scale
+        dk[:, :, start:start + block_n] = (ds.transpose(-1, -2) @ qg).sum(2) * scale
+    return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None):
+    """Plain materialised attention (scores, softmax, matmul) in the inputs' dtype: the textbook
+    definition with FlashAttention's masking conventions. Meant for fp64 checks at small sizes."""
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        s = _mask_tile(s, 0, seqlen_q, seqlen_k)
+    dead = (s == float("-inf")).all(-1, keepdim=True)  # rows that see no key: output 0, LSE -inf
+    s = s.masked_fill(dead, 0.0)  # keeps softmax and its gradient free of NaN on those rows
+    p = torch.softmax(s, -1).masked_fill(dead, 0.0)
+    lse = torch.logsumexp(s, -1).masked_fill(dead.squeeze(-1), float("-inf"))
+    return p @ v, lse

@@ -1,0 +1,158 @@
+"""The ``attnforge`` command: explain, doctor, demo."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import sys
+
+import torch
+
+from . import api
+from ._version import __version__
+from .backends.reference import math_attention
+from .dispatch import PROFILES, detect, priority, registered
+from .dispatch.priority import PLANNED_BACKENDS
+from .errors import AttnforgeError
+
+
+def _explain(args) -> int:
+    decision = api.explain(device=args.device, dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim_v,
+                           seqlen_q=args.seqlen_q, seqlen_k=args.seqlen_k, batch=args.batch, heads=args.heads,
+                           kv_heads=args.kv_heads, causal=args.causal, dropout_p=args.dropout_p,
+                           needs_grad=args.needs_grad, return_lse=args.return_lse, backend=args.backend)
+    print(json.dumps(decision.to_dict(), indent=2) if args.json else decision)
+    return 0
+
+
+def _version_of(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _doctor(args) -> int:
+    accel = f"cuda {torch.version.cuda}" if torch.version.cuda else f"hip {torch.version.hip}" if torch.version.hip else "cpu only"
+    print(f"attnforge {__version__}")
+    print(f"python {platform.python_version()}  torch {torch.__version__} ({accel})  triton {_version_of('triton')}  "
+          f"nvidia-cutlass-dsl {_version_of('nvidia-cutlass-dsl')}  jinja2 {_version_of('jinja2')}")
+    spec = detect()
+    feats = ", ".join(sorted(spec.features)) or "none"
+    cap = f" capability {spec.capability[0]}.{spec.capability[1]}" if spec.capability else ""
+    print(f"local device: {spec.name} ({spec.vendor} {spec.arch}{cap}); multiprocessors {spec.multiprocessors}, "
+          f"shared memory per block {spec.smem_per_block // 1024} KiB, features: {feats}")
+    order = priority(spec)
+    print(f"backends, in this device's order ({' > '.join(order)}):")
+    built = registered()
+    for name in order + tuple(n for n in built if n not in order):
+        b = built.get(name)
+        if b is None:
+            print(f"  {name:<11} not in this build of attnforge")
+            continue
+        why = b.available()
+        print(f"  {name:<11} {'available' if not why else 'unavailable: ' + '; '.join(why)}  ({b.summary})")
+    absent = [n for n in PLANNED_BACKENDS if n not in built and n not in order]
+    if absent:
+        print(f"  not in this build, for other devices: {', '.join(absent)}")
+    print()
+    print(api.explain(dtype="bf16", head_dim=128, seqlen_q=4096, heads=16, causal=True, needs_grad=True))
+    return 0
+
+
+def _rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| (Frobenius), in fp64."""
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def _demo(args) -> int:
+    spec = detect()
+    on_gpu = spec.vendor != "cpu"
+    dtype = torch.bfloat16
+    seqlen = 1024 if on_gpu else 256
+    batch, heads, kv_heads, head_dim = 2, 8, 2, 64
+    gen = torch.Generator(device=spec.torch_device).manual_seed(args.seed)
+
+    def rand(heads_):
+        return torch.randn(batch, heads_, seqlen, head_dim, device=spec.torch_device, dtype=dtype,
+                           generator=gen).requires_grad_()
+
+    q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
+    print(f"attnforge {__version__} demo on {spec.name} ({spec.arch}): bf16, batch {batch}, {heads} q heads / "
+          f"{kv_heads} kv heads, seqlen {seqlen}, head_dim {head_dim}, causal")
+    decision = api.explain(q, k, v, causal=True)
+    print(decision)
+    out = api.attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    # The oracle: the same function in fp64 on the same (bf16-valued) inputs. PyTorch's own bf16
+    # math on those inputs shows what error this dtype costs anyway.
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = math_attention(q64, k64, v64, causal=True)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    torch_out, _ = math_attention(*(t.detach() for t in (q, k, v)), causal=True)
+    print(f"\nerror against fp64 math (relative Frobenius): output {_rel_error(out, ref):.2e} "
+          f"(PyTorch's own bf16 math: {_rel_error(torch_out, ref):.2e}); gradients dq "
+          f"{_rel_error(grads[0], ref_grads[0]):.2e}, dk {_rel_error(grads[1], ref_grads[1]):.2e}, "
+          f"dv {_rel_error(grads[2], ref_grads[2]):.2e}")
+
+    print(f"\nwhat attnforge would choose elsewhere for this problem (bf16, head_dim {head_dim}, seqlen 4096, causal, "
+          "with backward):")
+    rows = [("profile", "arch", "forward", "backward", "why not the preferred backend")]
+    for name, profile in PROFILES.items():
+        d = api.explain(device=profile, dtype="bf16", head_dim=head_dim, seqlen_q=4096, heads=heads,
+                        kv_heads=kv_heads, causal=True, needs_grad=True)
+        why = "" if d.forward.backend == d.preferred else f"{d.preferred}: " + "; ".join(d.forward.reasons_of(d.preferred))
+        rows.append((name, profile.arch, d.forward.backend or "NONE", d.backward.backend or "NONE", why))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnforge", description="One attention() call across GPU generations.")
+    parser.add_argument("--version", action="version", version=f"attnforge {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("explain", help="which backend would serve a problem, and why not the others")
+    p.add_argument("--device", default=None, help=f"a profile ({', '.join(PROFILES)}) or a torch device; default: local")
+    p.add_argument("--dtype", default="bf16", help="fp16, bf16, fp32, fp64 or fp8 (default bf16)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-dim-v", type=int, default=None, help="head dim of v (default: --head-dim)")
+    p.add_argument("--seqlen-q", type=int, default=4096)
+    p.add_argument("--seqlen-k", type=int, default=None, help="default: --seqlen-q")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--dropout-p", type=float, default=0.0)
+    p.add_argument("--needs-grad", action="store_true", help="also decide the backward")
+    p.add_argument("--return-lse", action="store_true")
+    p.add_argument("--backend", default=None, help="force a backend")
+    p.add_argument("--json", action="store_true", help="print the decision as JSON")
+    p.set_defaults(run=_explain)
+
+    p = sub.add_parser("doctor", help="versions, the local device and which backends can run here")
+    p.set_defaults(run=_doctor)
+
+    p = sub.add_parser("demo", help="run attention here, check it against fp64, and compare decisions across GPUs")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except AttnforgeError as exc:
+        print(f"attnforge: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

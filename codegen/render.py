@@ -1,0 +1,25 @@
+"""Rendering templates/*.jinja into Python source."""
+
+from __future__ import annotations
+
+import functools
+
+import jinja2
+
+
+@functools.lru_cache(maxsize=None)
+def environment() -> jinja2.Environment:
+    """The Jinja environment over the package's templates/ (works from a wheel: package data).
+    StrictUndefined: a parameter a template names but the caller forgot is an error, not ''."""
+    return jinja2.Environment(loader=jinja2.PackageLoader("attnforge", "templates"), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+
+
+def render(template: str, **params) -> str:
+    """``template`` rendered with ``params``, under a header naming both. Deterministic: the same
+    template and parameters give the same bytes (parameters are listed sorted)."""
+    env = environment()
+    header = env.get_template("header.jinja").render(template=template, params=sorted(params.items()))
+    if template == "header.jinja":
+        return header
+    return header + "\n" + env.get_template(template).render(**params)

@@ -1,0 +1,156 @@
+"""The Problem a call describes: shapes, dtype, features and device, frozen and hashable so that
+decisions can be cached per problem. Built from tensors (validated) or from plain shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..errors import InvalidInputError, UnknownNameError
+from .device import DeviceSpec, detect
+
+# Canonical dtype names and their torch dtypes. fp8 means e4m3 (the attention FP8 format).
+DTYPES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp64": torch.float64,
+    "fp8": torch.float8_e4m3fn,
+}
+_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32",
+            "float64": "fp64", "double": "fp64", "e4m3": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
+_NAME_OF = {dt: name for name, dt in DTYPES.items()}
+LAYOUTS = ("bhsd", "bshd")
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The canonical name (fp16, bf16, fp32, fp64, fp8) of a torch dtype or a dtype name."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in _NAME_OF:
+            return _NAME_OF[dtype]
+        kind = "integer" if not (dtype.is_floating_point or dtype.is_complex) else "unsupported"
+        raise InvalidInputError(f"{kind} dtype {dtype} is not supported; use fp16, bf16 or fp32 "
+                                f"(fp8 = float8_e4m3fn where a backend serves it)")
+    name = str(dtype).lower().removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise UnknownNameError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)} or a torch dtype")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One attention call, as the dispatcher sees it (no tensors, no scale: nothing that changes
+    which backend can serve it)."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    device: DeviceSpec
+    causal: bool = False
+    dropout: bool = False
+    needs_grad: bool = False
+    return_lse: bool = False
+
+    def __post_init__(self):
+        for field in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInputError(f"{field} must be a non-negative integer, got {value!r}")
+        if self.head_dim == 0 or self.head_dim_v == 0:
+            raise InvalidInputError("head_dim must be > 0")
+        if self.heads_kv == 0 and self.heads_q != 0:
+            raise InvalidInputError("heads_kv must be > 0")
+        if self.heads_kv and self.heads_q % self.heads_kv:
+            raise InvalidInputError(f"heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv}) "
+                                    "for grouped-query attention")
+        dtype_name(self.dtype)  # raises on unknown names
+
+    @property
+    def gqa(self) -> bool:
+        return self.heads_q != self.heads_kv
+
+    @property
+    def empty(self) -> bool:
+        return 0 in (self.batch, self.heads_q, self.seqlen_q, self.seqlen_k)
+
+    def describe(self) -> str:
+        heads = f"{self.heads_q}" if not self.gqa else f"{self.heads_q}/{self.heads_kv}kv"
+        dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
+        flags = [f for f, on in (("causal", self.causal), ("dropout", self.dropout), ("grad", self.needs_grad),
+                                 ("lse", self.return_lse)) if on]
+        return (f"{self.dtype} b={self.batch} h={heads} nq={self.seqlen_q} nk={self.seqlen_k} {dims}"
+                + (" " + ",".join(flags) if flags else "") + f" on {self.device.arch} ({self.device.name})")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def validate_tensors(q, k, v, layout: str) -> None:
+    """Raise InvalidInputError naming the problem when q, k, v do not form an attention problem."""
+    if layout not in LAYOUTS:
+        raise InvalidInputError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    dims = "(batch, heads, seqlen, head_dim)" if layout == "bhsd" else "(batch, seqlen, heads, head_dim)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise InvalidInputError(f"{name} must be 4-D {dims} for layout {layout!r}, got shape {_shape(t)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise InvalidInputError(f"q is on {q.device} but {name} is on {t.device}; put all three on one device")
+        if t.dtype != q.dtype:
+            raise InvalidInputError(f"q is {q.dtype} but {name} is {t.dtype}; q, k and v must share one dtype")
+    dtype_name(q.dtype)  # integer and other unsupported dtypes
+    h, s = (1, 2) if layout == "bhsd" else (2, 1)
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise InvalidInputError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[h] != v.shape[h]:
+        raise InvalidInputError(f"k and v must have the same number of heads, got {k.shape[h]} and {v.shape[h]}")
+    if k.shape[s] != v.shape[s]:
+        raise InvalidInputError(f"k and v must have the same seqlen, got {k.shape[s]} and {v.shape[s]}")
+    if q.shape[3] != k.shape[3]:
+        raise InvalidInputError(f"q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
+    if k.shape[h] == 0 and q.shape[h] != 0:
+        raise InvalidInputError("k and v have 0 heads but q has some")
+    if k.shape[h] and q.shape[h] % k.shape[h]:
+        raise InvalidInputError(f"heads of q ({q.shape[h]}) must be a multiple of heads of k/v ({k.shape[h]}) "
+                                "for grouped-query attention")
+
+
+def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: str = "bhsd", causal: bool = False,
+                         dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None) -> Problem:
+    """Validate q, k, v and describe them as a Problem on ``device`` (default: the tensors' device)."""
+    validate_tensors(q, k, v, layout)
+    if device is None:
+        device = detect(q.device)
+    h, s = (1, 2) if layout == "bhsd" else (2, 1)
+    if needs_grad is None:
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return Problem(batch=q.shape[0], heads_q=q.shape[h], heads_kv=k.shape[h], seqlen_q=q.shape[s],
+                   seqlen_k=k.shape[s], head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=_NAME_OF[q.dtype],
+                   device=device, causal=bool(causal), dropout=check_dropout(dropout_p) > 0,
+                   needs_grad=bool(needs_grad), return_lse=bool(return_lse))
+
+
+def check_dropout(dropout_p) -> float:
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise InvalidInputError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """The softmax scale: ``scale`` if given (a finite number), else 1/sqrt(head_dim)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise InvalidInputError(f"scale must be a finite number or None, got {scale!r}")
+    return float(scale)

@@ -1,0 +1,119 @@
+"""Choosing backends: the forced-backend controls, and ``decide()``, cached per problem."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import os
+
+from ..errors import UnknownNameError
+from . import registry
+from .decision import ABSENT, CHOSEN, ELIGIBLE, REJECTED, Candidate, Choice, Decision
+from .priority import PLANNED_BACKENDS, priority
+from .problem import Problem
+
+logger = logging.getLogger("attnforge")
+
+ENV_VAR = "ATTNFORGE_BACKEND"
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("attnforge_backend", default=None)
+
+
+def check_backend_name(name: str) -> str:
+    if name not in PLANNED_BACKENDS:
+        raise UnknownNameError(f"unknown backend {name!r}; known backends: {', '.join(PLANNED_BACKENDS)}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None):
+    """Force backend ``name`` for attention() and explain() calls inside the block (None: automatic).
+    A forced backend that cannot serve a call raises with its reasons; it is never replaced."""
+    token = _forced.set(None if name is None else check_backend_name(name))
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def forced_backend(argument: str | None = None) -> tuple[str | None, str]:
+    """The forced backend, if any, and how it was forced: argument, then use_backend(), then env."""
+    if argument is not None:
+        return check_backend_name(argument), "forced by the backend= argument"
+    name = _forced.get()
+    if name is not None:
+        return name, "forced by use_backend()"
+    name = os.environ.get(ENV_VAR, "").strip()
+    if name and name != "auto":
+        try:
+            return check_backend_name(name), f"forced by {ENV_VAR}"
+        except UnknownNameError as e:
+            raise UnknownNameError(f"{ENV_VAR}={name!r}: {e}") from None
+    return None, "auto"
+
+
+def _rank(names, verdict_of) -> tuple[str | None, tuple[Candidate, ...]]:
+    """Walk ``names`` in order; ``verdict_of(backend)`` gives reasons (empty: it can serve)."""
+    backends = registry.registered()
+    chosen, out = None, []
+    for name in names:
+        backend = backends.get(name)
+        if backend is None:
+            out.append(Candidate(name, ABSENT, ("not in this build of attnforge",)))
+            continue
+        reasons = tuple(verdict_of(backend))
+        if reasons:
+            out.append(Candidate(name, REJECTED, reasons))
+        elif chosen is None:
+            chosen = name
+            out.append(Candidate(name, CHOSEN))
+        else:
+            out.append(Candidate(name, ELIGIBLE))
+    return chosen, tuple(out)
+
+
+def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...]) -> Choice:
+    if fwd.autograd_native:
+        return Choice(fwd.name, "torch autograd through its forward", (Candidate(fwd.name, CHOSEN),))
+
+    def verdict(b: registry.Backend):
+        if b.autograd_native:
+            return ["its backward is torch autograd through its own forward; it cannot follow another forward"]
+        return b.available() + b.supports_backward(problem)
+
+    name, candidates = _rank(order, verdict)
+    variant = registry.get(name).variant(problem) if name else ""
+    return Choice(name, variant, candidates)
+
+
+@functools.lru_cache(maxsize=4096)
+def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> Decision:
+    """The Decision for ``problem``: forward (and, if it needs grad, backward) backend and variant,
+    with every candidate's verdict. Cached per (problem, forced); a new fallback is logged once."""
+    order = priority(problem.device)
+    fwd_order = (forced,) if forced else order
+    bwd_order = tuple(dict.fromkeys(((forced,) if forced else ()) + order))
+    backward_of: dict[str, Choice] = {}
+
+    def verdict(b: registry.Backend):
+        reasons = b.available() + b.supports(problem)
+        if not reasons and problem.needs_grad:
+            backward_of[b.name] = bwd = _backward(problem, b, bwd_order)
+            if bwd.backend is None:
+                reasons = ["no backend can run the backward after its forward (see the backward candidates)"]
+        return reasons
+
+    name, candidates = _rank(fwd_order, verdict)
+    forward = Choice(name, registry.get(name).variant(problem) if name else "", candidates)
+    if problem.needs_grad:
+        backward = backward_of.get(name) or next(iter(backward_of.values()), None)
+        if backward is None:  # nothing served the forward; show why the backward could not be chosen either
+            backward = Choice(None, "", ())
+    else:
+        backward = None
+    decision = Decision(problem, how, order[0], forward, backward)
+    if decision.fallback and name is not None:
+        why = "; ".join(forward.reasons_of(order[0])) or "ranked lower"
+        logger.info("attnforge: %s -> %s instead of %s (%s)", problem.describe(), name, order[0], why)
+    return decision

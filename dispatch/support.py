@@ -1,0 +1,61 @@
+"""Support declared as data. A backend states what it serves in a ``Support``; ``reasons()``
+turns that declaration into one actionable sentence per thing a problem asks for and it lacks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .problem import Problem
+
+
+@dataclasses.dataclass(frozen=True)
+class Support:
+    """What a backend serves. ``archs`` None means every arch of ``vendors``."""
+
+    vendors: frozenset[str]
+    dtypes: frozenset[str]
+    archs: frozenset[str] | None = None
+    max_head_dim: int | None = None
+    head_dim_multiple: int = 1
+    causal: bool = True
+    gqa: bool = True
+    dropout: bool = True
+    return_lse: bool = True
+    backward: bool = True
+    empty: bool = True  # zero-sized batch, heads or sequence
+
+    def reasons(self, p: Problem) -> list[str]:
+        """One sentence per unmet need of ``p``; empty means supported (forward)."""
+        out = []
+        dev = p.device
+        if dev.vendor not in self.vendors:
+            out.append(f"device {dev.arch} ({dev.name}) is not served; serves {_join(self.vendors)} devices")
+        elif self.archs is not None and dev.arch not in self.archs:
+            out.append(f"arch {dev.arch} is not served; serves {_join(self.archs)}")
+        if p.dtype not in self.dtypes:
+            out.append(f"dtype {p.dtype} is not supported; supports {_join(self.dtypes)}")
+        if self.max_head_dim is not None and max(p.head_dim, p.head_dim_v) > self.max_head_dim:
+            out.append(f"head_dim {max(p.head_dim, p.head_dim_v)} > {self.max_head_dim}")
+        if self.head_dim_multiple > 1 and (p.head_dim % self.head_dim_multiple or p.head_dim_v % self.head_dim_multiple):
+            out.append(f"head_dim {p.head_dim} is not a multiple of {self.head_dim_multiple}")
+        if p.causal and not self.causal:
+            out.append("causal masking is not supported")
+        if p.gqa and not self.gqa:
+            out.append(f"grouped-query attention ({p.heads_q} q heads / {p.heads_kv} kv heads) is not supported")
+        if p.dropout and not self.dropout:
+            out.append("dropout_p > 0 is not supported")
+        if p.return_lse and not self.return_lse:
+            out.append("return_lse=True is not supported (it does not give the LSE)")
+        if p.empty and not self.empty:
+            out.append("empty problem (a zero-sized batch, heads or sequence) is not supported")
+        return out
+
+    def backward_reasons(self, p: Problem) -> list[str]:
+        """Reasons it cannot compute the backward of ``p`` (given a forward's saved output and LSE)."""
+        if not self.backward:
+            return ["has no backward"]
+        return [r for r in self.reasons(p) if not r.startswith("return_lse")]
+
+
+def _join(items) -> str:
+    return ", ".join(sorted(items))
