@@ -1,0 +1,55 @@
+"""Helpers for checking attention numerics, shared by attnforge's tests, bench and demo.
+
+The rule (FlashAttention's tests use the same idea): a backend's error against the fp64 oracle may
+be at most ``factor`` times PyTorch's own error computing the same thing in the same dtype, plus a
+few units of that dtype's rounding. So the tolerance follows the dtype instead of being loosened
+by hand, and NaN never passes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends.reference import math_attention
+
+
+def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| (Frobenius) in fp64; 0 when both are empty or zero."""
+    diff, norm = (x.double() - ref.double()).norm().item(), ref.double().norm().item()
+    return diff / norm if norm else diff
+
+
+def oracle(q, k, v, *, causal: bool, scale: float | None = None, dout: torch.Tensor | None = None):
+    """fp64 math on the given (already rounded) inputs: (out, lse) and, with ``dout``, (dq, dk, dv)."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(dout is not None) for t in (q, k, v))
+    out, lse = math_attention(q64, k64, v64, causal=causal, scale=scale)
+    grads = torch.autograd.grad(out, (q64, k64, v64), dout.double()) if dout is not None else None
+    return out.detach(), lse.detach(), grads
+
+
+def peer_error(q, k, v, *, causal: bool, scale: float | None = None, dout: torch.Tensor | None = None):
+    """PyTorch's own materialised attention in the inputs' dtype: (out, grads) to measure that
+    dtype's inherent error against the oracle."""
+    qs, ks, vs = (t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v))
+    out, _ = math_attention(qs, ks, vs, causal=causal, scale=scale)
+    grads = torch.autograd.grad(out, (qs, ks, vs), dout) if dout is not None else None
+    return out.detach(), grads
+
+
+def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, peer: torch.Tensor, *, factor: float = 2.0,
+                 ulps: float = 4.0) -> None:
+    """Assert max|x - ref| <= factor * max|peer - ref| + ulps * eps(dtype) * max(max|ref|, 1) where ref is
+    finite, the same infinities (an LSE of -inf) where it is not, and no NaN."""
+    assert x.shape == ref.shape, f"{name}: shape {tuple(x.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(x).any(), f"{name}: NaN in result"
+    finite = torch.isfinite(ref)
+    assert torch.equal(x[~finite].double(), ref[~finite].double()), f"{name}: infinities differ from the oracle's"
+    x, ref, peer = x[finite], ref[finite], peer[finite]
+    if ref.numel() == 0:
+        return
+    err = (x.double() - ref).abs().max().item()
+    peer_err = (peer.double() - ref).abs().max().nan_to_num(float("inf")).item()
+    # The floor is a few units of rounding at the result's scale, at least unit scale: an exactly-zero
+    # reference (dq when a row sees one key) still leaves fp32 rounding of O(1) intermediates.
+    bound = factor * peer_err + ulps * torch.finfo(x.dtype).eps * max(ref.abs().max().item(), 1.0)
+    assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e} (PyTorch's own error in {x.dtype}: {peer_err:.3e})"

@@ -1,0 +1,31 @@
+import logging
+import os
+import random
+import zlib
+
+import pytest
+import torch
+
+# Fresh random inputs every run, reproducible on demand: ATTNFORGE_TEST_SEED=<n> repeats a run.
+SESSION_SEED = int(os.environ.get("ATTNFORGE_TEST_SEED", random.randrange(2**31)))
+
+
+def pytest_report_header(config):
+    return f"attnforge test seed: {SESSION_SEED} (set ATTNFORGE_TEST_SEED to repeat)"
+
+
+@pytest.fixture(autouse=True)
+def _clean_state(monkeypatch):
+    """Each test starts unforced and with fresh decisions (so logging tests see first decisions)."""
+    from attnforge.dispatch.select import ENV_VAR, decide
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    decide.cache_clear()
+    logging.getLogger("attnforge").setLevel(logging.NOTSET)
+    yield
+
+
+@pytest.fixture
+def gen(request):
+    """A generator seeded from the session seed and the test's id."""
+    return torch.Generator().manual_seed(SESSION_SEED ^ zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,144 @@
+"""Decisions for every profile x dtype x head dim, checked against what the backends declare."""
+
+import json
+import logging
+
+import pytest
+
+import attnforge
+from attnforge import BackendUnavailableError, UnknownNameError, explain, use_backend
+from attnforge.dispatch import PROFILES, decide, priority, registered
+from attnforge.dispatch.decision import ABSENT, CHOSEN, ELIGIBLE, REJECTED
+
+DTYPES = ("fp16", "bf16", "fp32", "fp8")
+HEAD_DIMS = (64, 128, 256, 512)
+
+
+@pytest.mark.parametrize("device", PROFILES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("needs_grad", (False, True))
+def test_decision_matrix_follows_declarations(device, dtype, head_dim, needs_grad):
+    d = explain(device=device, dtype=dtype, head_dim=head_dim, seqlen_q=1024, heads=8, kv_heads=2,
+                causal=True, needs_grad=needs_grad)
+    built = registered()
+    assert [c.backend for c in d.forward.candidates] == list(priority(PROFILES[device]))
+    assert d.preferred == priority(PROFILES[device])[0]
+    seen_chosen = False
+    for c in d.forward.candidates:
+        if c.backend not in built:
+            assert c.verdict == ABSENT and c.reasons == ("not in this build of attnforge",)
+            continue
+        declared = built[c.backend].supports(d.problem)
+        if declared:  # every rejection carries the backend's own sentences, and nothing is skipped
+            assert c.verdict == REJECTED and list(c.reasons) == declared
+            assert all(isinstance(r, str) and len(r) > 10 for r in c.reasons)
+        else:
+            assert c.verdict == (ELIGIBLE if seen_chosen else CHOSEN)
+            seen_chosen = True
+    assert (d.forward.backend is not None) == seen_chosen
+    assert d.fallback == (d.forward.backend != d.preferred)
+    if needs_grad and d.forward.backend:
+        assert d.backward is not None and d.backward.backend is not None
+    else:
+        assert (d.backward is None) == (not needs_grad)
+    json.dumps(d.to_dict())  # JSON-ready
+
+
+@pytest.mark.parametrize("device", PROFILES)
+def test_fp8_is_refused_with_reasons_until_a_backend_serves_it(device):
+    d = explain(device=device, dtype="fp8", head_dim=128, seqlen_q=4096)
+    assert d.forward.backend is None and not d.ok
+    for c in d.forward.candidates:
+        if c.verdict == REJECTED:
+            assert any("dtype fp8 is not supported" in r for r in c.reasons)
+    assert "NONE: no backend can serve this" in str(d)
+
+
+def test_h100_fp32_shows_the_fallback_and_why():
+    d = explain(device="H100", dtype="fp32", head_dim=128, seqlen_q=4096, heads=32, kv_heads=8)
+    assert d.forward.backend == "sdpa" and d.fallback and d.preferred == "cute_sm90"
+    text = str(d)
+    assert "fallback: cute_sm90 is preferred on sm90 but not in this build" in text
+    assert "kernel chosen by torch at run time (device not present to ask)" in text
+
+
+def test_cpu_gets_sdpa_without_fallback_and_reference_for_lse():
+    d = explain(device="cpu", dtype="bf16", head_dim=64, seqlen_q=128)
+    assert d.forward.backend == "sdpa" and not d.fallback
+    d = explain(device="cpu", dtype="bf16", head_dim=64, seqlen_q=128, return_lse=True)
+    assert d.forward.backend == "reference" and d.fallback
+    assert d.forward.reasons_of("sdpa") == ("return_lse=True is not supported (it does not give the LSE)",)
+
+
+def test_dropout_goes_to_sdpa_and_reference_says_why():
+    d = explain(device="A100", dtype="bf16", head_dim=64, seqlen_q=128, dropout_p=0.1, return_lse=True)
+    assert d.forward.backend is None
+    assert d.forward.reasons_of("reference") == ("dropout_p > 0 is not supported",)
+    d = explain(device="A100", dtype="bf16", head_dim=64, seqlen_q=128, dropout_p=0.1)
+    assert d.forward.backend == "sdpa"
+
+
+def test_backward_is_decided_and_recorded():
+    d = explain(device="cpu", dtype="fp32", head_dim=64, seqlen_q=128, needs_grad=True, return_lse=True)
+    assert d.forward.backend == "reference" and d.backward.backend == "reference"
+    assert d.backward.reasons_of("sdpa")[0].startswith("its backward is torch autograd")
+    d = explain(device="cpu", dtype="fp32", head_dim=64, seqlen_q=128, needs_grad=True)
+    assert d.backward.backend == "sdpa" and d.backward.variant == "torch autograd through its forward"
+    assert "backward: sdpa" in str(d)
+
+
+def test_empty_problems_go_to_reference():
+    d = explain(device="H100", dtype="bf16", head_dim=64, seqlen_q=16, seqlen_k=0)
+    assert d.forward.backend == "reference"
+    assert "empty problem" in d.forward.reasons_of("sdpa")[0]
+
+
+def test_forced_backend_that_cannot_serve_raises_with_reasons():
+    with use_backend("sdpa"):
+        d = explain(device="cpu", dtype="bf16", head_dim=64, seqlen_q=128, return_lse=True)
+        assert d.forward.backend is None and d.how == "forced by use_backend()"
+        assert [c.backend for c in d.forward.candidates] == ["sdpa"]  # never silently replaced
+    import torch
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(BackendUnavailableError, match="return_lse=True is not supported"):
+        attnforge.attention(q, q, q, return_lse=True, backend="sdpa")
+    with pytest.raises(BackendUnavailableError, match="cute_sm90 +absent +not in this build"):
+        attnforge.attention(q, q, q, backend="cute_sm90")
+
+
+def test_forcing_precedence_argument_then_context_then_env(monkeypatch):
+    kw = dict(device="cpu", dtype="fp32", head_dim=64, seqlen_q=64)
+    monkeypatch.setenv("ATTNFORGE_BACKEND", "reference")
+    d = explain(**kw)
+    assert d.forward.backend == "reference" and d.how == "forced by ATTNFORGE_BACKEND"
+    with use_backend("sdpa"):
+        assert explain(**kw).how == "forced by use_backend()"
+        with use_backend(None):
+            assert explain(**kw).how == "forced by ATTNFORGE_BACKEND"
+        d = explain(**kw, backend="reference")
+        assert d.how == "forced by the backend= argument" and d.forward.backend == "reference"
+    monkeypatch.setenv("ATTNFORGE_BACKEND", "auto")
+    assert explain(**kw).how == "auto"
+    monkeypatch.setenv("ATTNFORGE_BACKEND", "flash9")
+    with pytest.raises(UnknownNameError, match="ATTNFORGE_BACKEND='flash9': unknown backend"):
+        explain(**kw)
+
+
+def test_unknown_backend_names_are_refused_early():
+    with pytest.raises(UnknownNameError, match="unknown backend 'flash'; known backends: triton_fa2"):
+        with use_backend("flash"):
+            pass
+
+
+def test_decisions_are_cached_and_fallbacks_logged_once(caplog):
+    kw = dict(device="H200", dtype="bf16", head_dim=128, seqlen_q=2048, causal=True)
+    with caplog.at_level(logging.INFO, logger="attnforge"):
+        first = explain(**kw)
+        for _ in range(3):
+            assert explain(**kw) is first
+        explain(device="cpu", dtype="bf16", head_dim=128, seqlen_q=2048)  # not a fallback: silent
+    records = [r for r in caplog.records if r.name == "attnforge"]
+    assert len(records) == 1
+    assert "-> sdpa instead of cute_sm90" in records[0].getMessage()
+    assert decide.cache_info().hits >= 3

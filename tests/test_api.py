@@ -1,0 +1,181 @@
+"""attention() numerics through every registered backend against fp64 math.
+
+The matrix is built from what the backends declare: where a backend's supports() gives reasons
+for a case, the test asserts that forcing it raises with those reasons instead of skipping."""
+
+import math
+
+import pytest
+import torch
+
+import attnforge
+from attnforge import BackendUnavailableError, attention, explain
+from attnforge.dispatch import registered
+from attnforge.testing import assert_close, oracle, peer_error, rel_error
+
+BACKENDS = sorted(registered())
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, head_dim_v): odd lengths, GQA and MQA,
+# seqlen_q != seqlen_k both ways (with causal, 113 > 17 leaves 96 rows that see no key).
+SHAPES = [
+    (1, 1, 1, 1, 1, 32, 32),
+    (2, 4, 4, 17, 17, 64, 64),
+    (1, 4, 2, 113, 113, 64, 64),
+    (1, 4, 1, 255, 255, 32, 32),
+    (1, 2, 2, 17, 113, 64, 64),
+    (1, 2, 2, 113, 17, 64, 64),
+    (2, 6, 2, 255, 129, 96, 96),
+    (1, 2, 1, 33, 65, 64, 32),
+]
+
+
+def make(shape, dtype, gen, layout="bhsd", magnitude=1.0):
+    b, hq, hkv, nq, nk, d, dv = shape
+
+    def rand(h, n, dim, mag=1.0):
+        t = (torch.randn(b, h, n, dim, generator=gen) * mag).to(dtype)
+        return t.transpose(1, 2).contiguous().transpose(1, 2) if layout == "bshd" else t  # bshd memory
+
+    return rand(hq, nq, d, magnitude), rand(hkv, nk, d), rand(hkv, nk, dv)
+
+
+def as_layout(t, layout):
+    return t.transpose(1, 2) if layout == "bshd" else t
+
+
+def run_case(backend, shape, dtype, causal, gen, layout="bhsd", magnitude=1.0, return_lse=None):
+    """Forward (and LSE) against the fp64 oracle element by element; gradients too, except at large
+    magnitude (see below)."""
+    q, k, v = make(shape, DTYPES[dtype], gen, layout, magnitude)
+    problem = explain(as_layout(q, layout), as_layout(k, layout), as_layout(v, layout), causal=causal,
+                      layout=layout, needs_grad=True, return_lse=bool(return_lse), backend=backend).problem
+    reasons = registered()[backend].supports(problem)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    args = [as_layout(t, layout) for t in (q, k, v)]
+    if reasons:
+        with pytest.raises(BackendUnavailableError, match=reasons[0].split("(")[0]):
+            attention(*args, causal=causal, layout=layout, backend=backend, return_lse=bool(return_lse))
+        return
+    res = attention(*args, causal=causal, layout=layout, backend=backend, return_lse=bool(return_lse))
+    out, lse = res if return_lse else (res, None)
+    out = as_layout(out, layout)
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[3])
+    dout = torch.randn(out.shape, generator=gen).to(out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, ref_lse, ref_grads = oracle(q, k, v, causal=causal, dout=dout)
+    peer, peer_grads = peer_error(q, k, v, causal=causal, dout=dout)
+    # Rounding accumulates over a reduction like a random walk: sqrt(length) units, on top of 2x
+    # PyTorch's own error (which is tiny in fp32, where summation order alone differs by more).
+    # The reductions run over the sequence (P V, dS K, ...) and over the head dim (Q K^T, dO V^T).
+    ulps = 4 * math.sqrt(max(shape[3], shape[4], shape[5]))
+    assert_close("out", out, ref, peer, ulps=ulps)
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, peer_grads):
+        if magnitude == 1.0:
+            assert_close(name, g, r, p, ulps=ulps)
+            continue
+        # Scores ~1e4 make P one-hot. dq and dk then come from cancellation in dS = P * (dP - D)
+        # and are ill-conditioned for any fp32 LSE-based backward (SDPA's too): only finiteness is
+        # asserted for them. dv = P^T dO is well-conditioned; recomputing P = exp(S - LSE) from an
+        # fp32 LSE costs up to eps32 * |LSE| relative error, the allowance on top of 2x PyTorch's.
+        assert torch.isfinite(g).all(), f"{name} not finite"
+        if name == "dv":
+            lse_rounding = torch.finfo(torch.float32).eps * ref_lse[torch.isfinite(ref_lse)].abs().max().item()
+            peer_rel = rel_error(p, r)  # NaN where PyTorch's own fp16 math overflows: no help then
+            assert rel_error(g, r) <= 2 * (0.0 if math.isnan(peer_rel) else peer_rel) + lse_rounding, name
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+        assert_close("lse", lse, ref_lse, ref_lse.float(), ulps=ulps)  # LSE is fp32 whatever the inputs
+    if causal and shape[3] > shape[4]:  # rows that see no key: exactly 0 out, no gradient, LSE -inf
+        blind = shape[3] - shape[4]
+        assert (out[:, :, :blind] == 0).all() and (grads[0][:, :, :blind] == 0).all()
+        if lse is not None:
+            assert (lse[:, :, :blind] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_matches_fp64(backend, shape, dtype, causal, gen):
+    run_case(backend, shape, dtype, causal, gen)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_bshd_layout_and_lse(backend, causal, gen):
+    run_case(backend, (2, 4, 2, 113, 65, 64, 64), "fp32", causal, gen, layout="bshd")
+    run_case(backend, (1, 4, 2, 65, 113, 64, 64), "fp16", causal, gen, return_lse=True)
+    run_case(backend, (1, 4, 2, 113, 65, 64, 64), "fp32", causal, gen, return_lse=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_magnitude_scores_do_not_overflow(backend, dtype, gen):
+    # q ~ 5e3 * N(0, 1) gives scores with std 5e3, up to ~2e4: exp() must see s - max, never s.
+    run_case(backend, (1, 2, 2, 65, 65, 64, 64), dtype, True, gen, magnitude=5e3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_inputs_from_packed_qkv(backend, gen):
+    qkv = torch.randn(2, 77, 3, 4, 32, generator=gen)  # (batch, seqlen, 3, heads, d): bshd views with gaps
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    out = attention(q, k, v, causal=True, layout="bshd", backend=backend)
+    ref, _, _ = oracle(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    peer, _ = peer_error(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    assert_close("out", out.transpose(1, 2), ref, peer)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_gradcheck_fp64(backend, causal, gen):
+    q = torch.randn(1, 2, 5, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(1, 1, 3, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(1, 1, 3, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    fn = lambda q, k, v: attention(q, k, v, causal=causal, scale=0.7, backend=backend)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_scale_default_and_explicit(gen):
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=gen) for _ in range(3))
+    ref, _, _ = oracle(q, k, v, causal=False, scale=0.3)
+    assert_close("out", attention(q, k, v, scale=0.3), ref, ref.float())
+    ref, _, _ = oracle(q, k, v, causal=False)
+    assert_close("out", attention(q, k, v), ref, ref.float())
+
+
+def test_dropout_runs_on_sdpa_and_keeps_expectation(gen):
+    q, k, v = (torch.randn(1, 1, 64, 16, generator=gen) for _ in range(3))
+    torch.manual_seed(0)
+    dropped = attention(q, k, v, dropout_p=0.5)
+    full = attention(q, k, v)
+    assert not torch.allclose(dropped, full)
+    assert explain(q, k, v, dropout_p=0.5).forward.backend == "sdpa"
+    mean = torch.stack([attention(q, k, v, dropout_p=0.5) for _ in range(400)]).mean(0)
+    assert (mean - full).abs().mean() < 0.1 * full.abs().mean()  # inverted dropout is unbiased
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_problems(backend, gen):
+    q = torch.randn(2, 4, 7, 16, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, 0, 16, requires_grad=True)
+    v = torch.randn(2, 2, 0, 8, requires_grad=True)
+    reasons = registered()[backend].supports(explain(q, k, v).problem)
+    if reasons:
+        assert "empty problem" in reasons[0]
+        with pytest.raises(BackendUnavailableError, match="empty problem"):
+            attention(q, k, v, backend=backend)
+        return
+    out, lse = attention(q, k, v, return_lse=True, backend=backend)
+    assert out.shape == (2, 4, 7, 8) and (out == 0).all() and (lse == float("-inf")).all()
+    (dq,) = torch.autograd.grad(out.sum(), (q,))
+    assert (dq == 0).all()
+    out = attention(torch.randn(0, 4, 7, 16), torch.randn(0, 2, 5, 16), torch.randn(0, 2, 5, 16), backend=backend)
+    assert out.shape == (0, 4, 7, 16)
+    out = attention(torch.randn(1, 4, 0, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), backend=backend)
+    assert out.shape == (1, 4, 0, 16)
+
+
+def test_auto_choice_serves_empty_problems():
+    out = attnforge.attention(torch.randn(1, 1, 3, 8), torch.randn(1, 1, 0, 8), torch.randn(1, 1, 0, 8))
+    assert (out == 0).all() and out.shape == (1, 1, 3, 8)
