@@ -8,7 +8,7 @@ from .dispatch import device as devices
 from .dispatch import registry
 from .dispatch.decision import Decision
 from .dispatch.problem import Problem, check_dropout, check_scale, dtype_name, problem_from_tensors
-from .dispatch.select import decide, forced_backend
+from .dispatch.select import decide, decide_call, forced_backend
 from .errors import BackendUnavailableError, InvalidInputError
 
 
@@ -46,12 +46,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     dtype and layout, and with ``return_lse`` also the natural-log LSE (batch, heads_q, seqlen_q)
     in fp32 (-inf for rows that see no key). ``backend`` forces one backend (see use_backend).
     """
-    problem = problem_from_tensors(q, k, v, layout=layout, causal=causal, dropout_p=dropout_p,
-                                   return_lse=return_lse)
-    scale = check_scale(scale, problem.head_dim)
-    decision = decide(problem, *forced_backend(backend))
-    if not decision.ok:
-        raise BackendUnavailableError(str(decision))
+    decision = decide_call(q, k, v, layout, causal, dropout_p, return_lse, backend)
+    scale = check_scale(scale, q.shape[-1])
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     fwd = registry.get(decision.forward.backend)

@@ -8,11 +8,13 @@ import functools
 import logging
 import os
 
-from ..errors import UnknownNameError
+import torch
+
+from ..errors import BackendUnavailableError, UnknownNameError
 from . import registry
 from .decision import ABSENT, CHOSEN, ELIGIBLE, REJECTED, Candidate, Choice, Decision
 from .priority import PLANNED_BACKENDS, priority
-from .problem import Problem
+from .problem import Problem, problem_from_tensors
 
 logger = logging.getLogger("attnforge")
 
@@ -117,3 +119,37 @@ def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> De
         why = "; ".join(forward.reasons_of(order[0])) or "ranked lower"
         logger.info("attnforge: %s -> %s instead of %s (%s)", problem.describe(), name, order[0], why)
     return decision
+
+
+_CALL_CACHE: dict[tuple, Decision] = {}
+_CALL_CACHE_LIMIT = 4096
+
+
+def decide_call(q, k, v, layout, causal, dropout_p, return_lse, backend) -> Decision:
+    """The Decision for this call. A repeated call signature (shapes, dtypes, devices, flags, forcing)
+    is a dict lookup: it was validated when first seen, so the hot path stays in microseconds."""
+    forced, how = forced_backend(backend)
+    try:
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout,
+               causal, dropout_p, return_lse, needs_grad, forced, how)
+        decision = _CALL_CACHE.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the slow path says what
+        key, decision = None, None
+    if decision is None:
+        problem = problem_from_tensors(q, k, v, layout=layout, causal=causal, dropout_p=dropout_p,
+                                       return_lse=return_lse)
+        decision = decide(problem, forced, how)
+        if not decision.ok:
+            raise BackendUnavailableError(str(decision))
+        if key is not None:
+            if len(_CALL_CACHE) >= _CALL_CACHE_LIMIT:
+                _CALL_CACHE.clear()
+            _CALL_CACHE[key] = decision
+    return decision
+
+
+def clear_caches() -> None:
+    """Forget every cached decision (after registering a backend, or in tests)."""
+    decide.cache_clear()
+    _CALL_CACHE.clear()

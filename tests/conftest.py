@@ -17,10 +17,10 @@ def pytest_report_header(config):
 @pytest.fixture(autouse=True)
 def _clean_state(monkeypatch):
     """Each test starts unforced and with fresh decisions (so logging tests see first decisions)."""
-    from attnforge.dispatch.select import ENV_VAR, decide
+    from attnforge.dispatch.select import ENV_VAR, clear_caches
 
     monkeypatch.delenv(ENV_VAR, raising=False)
-    decide.cache_clear()
+    clear_caches()
     logging.getLogger("attnforge").setLevel(logging.NOTSET)
     yield
 

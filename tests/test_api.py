@@ -14,6 +14,9 @@ from attnforge.dispatch import registered
 from attnforge.testing import assert_close, oracle, peer_error, rel_error
 
 BACKENDS = sorted(registered())
+# The same matrix runs on the GPU where there is one (the lent H200 runs it; CI has none).
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA or ROCm GPU on this machine")])]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, head_dim_v): odd lengths, GQA and MQA,
 # seqlen_q != seqlen_k both ways (with causal, 113 > 17 leaves 96 rows that see no key).
@@ -29,11 +32,11 @@ SHAPES = [
 ]
 
 
-def make(shape, dtype, gen, layout="bhsd", magnitude=1.0):
+def make(shape, dtype, gen, layout="bhsd", magnitude=1.0, device="cpu"):
     b, hq, hkv, nq, nk, d, dv = shape
 
     def rand(h, n, dim, mag=1.0):
-        t = (torch.randn(b, h, n, dim, generator=gen) * mag).to(dtype)
+        t = (torch.randn(b, h, n, dim, generator=gen) * mag).to(device=device, dtype=dtype)
         return t.transpose(1, 2).contiguous().transpose(1, 2) if layout == "bshd" else t  # bshd memory
 
     return rand(hq, nq, d, magnitude), rand(hkv, nk, d), rand(hkv, nk, dv)
@@ -43,10 +46,10 @@ def as_layout(t, layout):
     return t.transpose(1, 2) if layout == "bshd" else t
 
 
-def run_case(backend, shape, dtype, causal, gen, layout="bhsd", magnitude=1.0, return_lse=None):
+def run_case(backend, shape, dtype, causal, gen, layout="bhsd", magnitude=1.0, return_lse=None, device="cpu"):
     """Forward (and LSE) against the fp64 oracle element by element; gradients too, except at large
     magnitude (see below)."""
-    q, k, v = make(shape, DTYPES[dtype], gen, layout, magnitude)
+    q, k, v = make(shape, DTYPES[dtype], gen, layout, magnitude, device)
     problem = explain(as_layout(q, layout), as_layout(k, layout), as_layout(v, layout), causal=causal,
                       layout=layout, needs_grad=True, return_lse=bool(return_lse), backend=backend).problem
     reasons = registered()[backend].supports(problem)
@@ -60,7 +63,7 @@ def run_case(backend, shape, dtype, causal, gen, layout="bhsd", magnitude=1.0, r
     out, lse = res if return_lse else (res, None)
     out = as_layout(out, layout)
     assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[3])
-    dout = torch.randn(out.shape, generator=gen).to(out.dtype)
+    dout = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     ref, ref_lse, ref_grads = oracle(q, k, v, causal=causal, dout=dout)
     peer, peer_grads = peer_error(q, k, v, causal=causal, dout=dout)
@@ -96,23 +99,26 @@ def run_case(backend, shape, dtype, causal, gen, layout="bhsd", magnitude=1.0, r
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-def test_matches_fp64(backend, shape, dtype, causal, gen):
-    run_case(backend, shape, dtype, causal, gen)
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_fp64(backend, shape, dtype, causal, device, gen):
+    run_case(backend, shape, dtype, causal, gen, device=device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-def test_bshd_layout_and_lse(backend, causal, gen):
-    run_case(backend, (2, 4, 2, 113, 65, 64, 64), "fp32", causal, gen, layout="bshd")
-    run_case(backend, (1, 4, 2, 65, 113, 64, 64), "fp16", causal, gen, return_lse=True)
-    run_case(backend, (1, 4, 2, 113, 65, 64, 64), "fp32", causal, gen, return_lse=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bshd_layout_and_lse(backend, causal, device, gen):
+    run_case(backend, (2, 4, 2, 113, 65, 64, 64), "fp32", causal, gen, layout="bshd", device=device)
+    run_case(backend, (1, 4, 2, 65, 113, 64, 64), "fp16", causal, gen, return_lse=True, device=device)
+    run_case(backend, (1, 4, 2, 113, 65, 64, 64), "fp32", causal, gen, return_lse=True, device=device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_large_magnitude_scores_do_not_overflow(backend, dtype, gen):
+@pytest.mark.parametrize("device", DEVICES)
+def test_large_magnitude_scores_do_not_overflow(backend, dtype, device, gen):
     # q ~ 5e3 * N(0, 1) gives scores with std 5e3, up to ~2e4: exp() must see s - max, never s.
-    run_case(backend, (1, 2, 2, 65, 65, 64, 64), dtype, True, gen, magnitude=5e3)
+    run_case(backend, (1, 2, 2, 65, 65, 64, 64), dtype, True, gen, magnitude=5e3, device=device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

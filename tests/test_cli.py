@@ -1,0 +1,44 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from attnforge.cli import main
+
+
+def test_explain_h100_fp32_shows_fallback(capsys):
+    assert main(["explain", "--device", "H100", "--dtype", "fp32", "--head-dim", "128", "--seqlen-q", "4096",
+                 "--heads", "32", "--kv-heads", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "fp32 b=1 h=32/8kv nq=4096 nk=4096 d=128 on sm90 (NVIDIA H100 80GB HBM3)" in out
+    assert "fallback: cute_sm90 is preferred on sm90 but not in this build of attnforge" in out
+    assert "forward : sdpa" in out
+
+
+@pytest.mark.parametrize(("device", "arch"), [("cpu", "cpu"), ("MI300X", "gfx942"), ("B200", "sm100")])
+def test_explain_json(capsys, device, arch):
+    assert main(["explain", "--device", device, "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "8192",
+                 "--causal", "--needs-grad", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["problem"]["device"]["arch"] == arch and d["problem"]["causal"] is True
+    assert d["forward"]["backend"] == "sdpa" and d["backward"]["backend"] == "sdpa" and d["ok"]
+
+
+def test_explain_errors_exit_2(capsys):
+    assert main(["explain", "--device", "V100"]) == 2
+    assert "unknown device profile 'V100'" in capsys.readouterr().err
+
+
+def test_doctor(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "local device:" in out and "reference" in out and "available" in out
+
+
+def test_demo_and_module_entry_point():
+    run = subprocess.run([sys.executable, "-m", "attnforge", "demo"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "error against fp64 math" in run.stdout
+    for profile in ("A100", "H100", "B200", "MI300X", "cpu"):
+        assert f"\n  {profile} " in run.stdout
