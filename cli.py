@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import platform
@@ -113,6 +114,45 @@ def _demo(args) -> int:
     return 0
 
 
+def _csv(cast):
+    return lambda text: tuple(cast(x) for x in text.split(",") if x)
+
+
+def _bench(args) -> int:
+    from . import bench
+    from .bench import report
+
+    if args.replot:
+        result = report.read_json(args.replot)
+    else:
+        cfg = bench.QUICK if args.quick else bench.BenchConfig(
+            device="cuda" if torch.cuda.is_available() else "cpu")
+        overrides = {k: v for k, v in dict(
+            dtypes=args.dtype, head_dims=args.head_dim, seqlens=args.seqlen, tokens=args.tokens, heads=args.heads,
+            kv_heads=args.kv_heads, modes=args.mode, impls=args.backends, warmup_ms=args.warmup_ms,
+            rep_ms=args.rep_ms, seed=args.seed, device=args.device,
+            causal={"both": (False, True), "true": (True,), "false": (False,), None: None}[args.causal],
+        ).items() if v is not None}
+        cfg = dataclasses.replace(cfg, **overrides)
+        if torch.device(cfg.device).type == "cpu" and not args.quick and args.device is None:
+            print("attnforge bench: no GPU here; running on the CPU (use --quick for a small grid)", file=sys.stderr)
+        checkpoint = (lambda partial: report.write_json(partial, args.out)) if args.out else None
+        result = bench.run(cfg, progress=lambda msg: print(msg, file=sys.stderr), checkpoint=checkpoint)
+    baseline = args.baseline or ("sdpa-flash" if result["environment"]["device"]["vendor"] != "cpu" else "sdpa-math")
+    print(report.table(result, baseline))
+    if result["unavailable"]:
+        print("\nnot measured here:")
+        for name, why in result["unavailable"].items():
+            print(f"  {name}: {why}")
+    if args.out:
+        report.write_json(result, args.out)
+        print(f"wrote {args.out}")
+    if args.plot:
+        report.plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnforge", description="One attention() call across GPU generations.")
     parser.add_argument("--version", action="version", version=f"attnforge {__version__}")
@@ -138,6 +178,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="versions, the local device and which backends can run here")
     p.set_defaults(run=_doctor)
+
+    p = sub.add_parser("bench", help="time attnforge beside the attention kernels importable here, same inputs, same run")
+    p.add_argument("--quick", action="store_true", help="a small CPU grid (attnforge auto and reference vs SDPA math)")
+    p.add_argument("--dtype", type=_csv(str), help="comma list, e.g. bf16,fp16 (default bf16)")
+    p.add_argument("--head-dim", type=_csv(int), help="comma list (default 64,128)")
+    p.add_argument("--seqlen", type=_csv(int), help="comma list (default 1024,4096,16384)")
+    p.add_argument("--tokens", type=int, help="batch = tokens // seqlen (default 16384)")
+    p.add_argument("--heads", type=int, help="query heads (default 2048 // head_dim)")
+    p.add_argument("--kv-heads", type=int, help="kv heads (default: --heads)")
+    p.add_argument("--causal", choices=("both", "true", "false"), help="default both")
+    p.add_argument("--mode", type=_csv(str), help="fwd, fwd+bwd (default both)")
+    p.add_argument("--backends", type=_csv(str), help="implementations: auto, attnforge backend names, sdpa-flash, "
+                   "sdpa-cudnn, sdpa-efficient, sdpa-math, fa4, fa3, fa2 (default auto,sdpa-flash,sdpa-cudnn,"
+                   "sdpa-efficient,fa4)")
+    p.add_argument("--baseline", help="ratios are against this implementation (default sdpa-flash; sdpa-math on CPU)")
+    p.add_argument("--warmup-ms", type=float)
+    p.add_argument("--rep-ms", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="torch device (default cuda if there is one)")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib: attnforge[plot])")
+    p.add_argument("--replot", metavar="JSON", help="print and plot an earlier result instead of measuring")
+    p.set_defaults(run=_bench)
 
     p = sub.add_parser("demo", help="run attention here, check it against fp64, and compare decisions across GPUs")
     p.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,151 @@
+"""``attnforge bench``: attnforge side by side with the attention kernels importable here, on the
+same fresh random inputs in the same run, with what makes each number meaningful recorded."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+import attnforge
+
+from . import measure, report
+from .impls import implementations
+
+__all__ = ["BenchConfig", "implementations", "run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    dtypes: tuple[str, ...] = ("bf16",)
+    head_dims: tuple[int, ...] = (64, 128)
+    seqlens: tuple[int, ...] = (1024, 4096, 16384)
+    tokens: int = 16384  # batch = tokens // seqlen, as FlashAttention's benchmark
+    heads: int | None = None  # default: 2048 // head_dim (hidden size 2048, FlashAttention's benchmark)
+    kv_heads: int | None = None  # default: heads
+    causal: tuple[bool, ...] = (False, True)
+    modes: tuple[str, ...] = ("fwd", "fwd+bwd")
+    impls: tuple[str, ...] = ("auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "fa4")
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    seed: int = 0
+    device: str = "cuda"
+
+    def check(self) -> None:
+        known = implementations()
+        unknown = [i for i in self.impls if i not in known]
+        if unknown:
+            raise attnforge.UnknownNameError(f"unknown implementation(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        bad_modes = [m for m in self.modes if m not in ("fwd", "fwd+bwd")]
+        if bad_modes:
+            raise attnforge.InvalidInputError(f"unknown mode(s) {', '.join(bad_modes)}; use fwd, fwd+bwd")
+        for name in self.dtypes:
+            attnforge.dispatch.dtype_name(name)
+
+
+QUICK = BenchConfig(dtypes=("fp32",), head_dims=(64,), seqlens=(128, 256), tokens=512, heads=2,
+                    impls=("auto", "reference", "sdpa-math"), warmup_ms=5, rep_ms=30, device="cpu")
+
+
+def _inputs(dtype: torch.dtype, batch, seqlen, heads, kv_heads, head_dim, gen, device):
+    def rand(h):  # fresh random data, never zeros; (batch, seqlen, heads, dim) = FlashAttention's layout
+        return torch.randn(batch, seqlen, h, head_dim, generator=gen, device=device).to(dtype)
+    return rand(heads), rand(kv_heads), rand(kv_heads)
+
+
+def _measure_one(impl, q, k, v, dout, causal, scale, mode, device, cfg, ref):
+    fn = impl.make(causal, scale)
+    needs_grad = mode == "fwd+bwd"
+    q, k, v = (t.detach().requires_grad_(needs_grad) for t in (q, k, v))
+    out = fn(q, k, v)  # correctness first, on the same inputs the timing uses
+    grads = torch.autograd.grad(out, (q, k, v), dout) if needs_grad else None
+    errs = measure.errors(out, grads, *ref(needs_grad))
+    if needs_grad:
+        def call():
+            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+    else:
+        def call():
+            with torch.no_grad():
+                fn(q, k, v)
+    median, p10, p90 = measure.time_ms(call, device, cfg.warmup_ms, cfg.rep_ms)
+    return {"median_ms": median, "p10_ms": p10, "p90_ms": p90, "peak_mem_bytes": measure.peak_mem_bytes(call, device),
+            **errs}
+
+
+def run(cfg: BenchConfig, progress=print, checkpoint=None) -> dict:
+    """Run the grid; returns the report (see report.SCHEMA) with one row per (config, impl).
+    ``checkpoint(report)`` is called after each configuration with the results so far."""
+    cfg.check()
+    device = torch.device(cfg.device)
+    known = implementations()
+    env = measure.environment(device)
+    unavailable = {}
+    results = []
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    grid = list(itertools.product(cfg.dtypes, cfg.head_dims, cfg.seqlens, cfg.causal))
+    for n, (dtype_name, head_dim, seqlen, causal) in enumerate(grid, 1):
+        dtype = attnforge.dispatch.DTYPES[attnforge.dispatch.dtype_name(dtype_name)]
+        heads = cfg.heads or max(1, 2048 // head_dim)
+        kv_heads = cfg.kv_heads or heads
+        batch = max(1, cfg.tokens // seqlen)
+        scale = head_dim ** -0.5
+        q, k, v = _inputs(dtype, batch, seqlen, heads, kv_heads, head_dim, gen, device)
+        dout = torch.randn(q.shape, generator=gen, device=device).to(dtype)
+        cache = {}
+
+        def ref(with_grads):  # computed once per configuration, only if something ran
+            if with_grads not in cache:
+                cache[with_grads] = measure.reference_outputs(q, k, v, causal=causal, scale=scale,
+                                                              dout=dout if with_grads else None)
+            return cache[with_grads]
+
+        progress(f"[{n}/{len(grid)}] {dtype_name} d={head_dim} seqlen={seqlen} batch={batch} heads={heads}/{kv_heads} "
+                 f"{'causal' if causal else 'full'}")
+        for mode, name in itertools.product(cfg.modes, cfg.impls):
+            impl = known[name]
+            row = {"impl": name, "dtype": dtype_name, "batch": batch, "heads": heads, "kv_heads": kv_heads,
+                   "seqlen_q": seqlen, "seqlen_k": seqlen, "head_dim": head_dim, "head_dim_v": head_dim,
+                   "causal": causal, "dropout_p": 0.0, "mode": mode, "status": "ok", "reason": None,
+                   "median_ms": None, "p10_ms": None, "p90_ms": None, "tflops": None, "peak_mem_bytes": None,
+                   "out_error": None, "grad_error": None, "grad_errors": None, "decision": None}
+            why = impl.why_not(device, dtype)
+            if why:
+                unavailable[name] = why
+                results.append({**row, "status": "unavailable", "reason": why})
+                continue
+            if impl.is_attnforge:
+                decision = attnforge.explain(q, k, v, layout="bshd", causal=causal, needs_grad=mode == "fwd+bwd",
+                                             backend=impl.attnforge_backend)
+                row["decision"] = decision.to_dict()
+                if not decision.ok:
+                    results.append({**row, "status": "unsupported",
+                                    "reason": f"attnforge cannot serve it: {str(decision).splitlines()[0]}"})
+                    continue
+            try:
+                row.update(_measure_one(impl, q, k, v, dout, causal, scale, mode, device, cfg, ref))
+                row["tflops"] = measure.flops(batch, heads, seqlen, seqlen, head_dim, head_dim, causal, mode) / (
+                    row["median_ms"] * 1e-3) / 1e12
+            except Exception as exc:  # a peer that refuses a config is a result, not a crash
+                row.update(status="error", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300])
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            results.append(row)
+        del q, k, v, dout, cache
+        if checkpoint is not None:
+            checkpoint(_report(cfg, env, unavailable, results))
+    env["gpu_state_after"] = measure.gpu_state(device)
+    return _report(cfg, env, unavailable, results)
+
+
+def _report(cfg, env, unavailable, results) -> dict:
+    return {
+        "schema": report.SCHEMA,
+        "environment": env,
+        "settings": {"config": dataclasses.asdict(cfg), "flop_formula": measure.FLOP_FORMULA,
+                     "timing": measure.TIMING, "peak_mem": measure.PEAK_MEM,
+                     "errors": ("relative Frobenius norm against attnforge's reference kernels on the same inputs, "
+                                "in fp32 (fp64 for fp32 inputs); grad_error is the largest of dq, dk, dv")},
+        "unavailable": unavailable,
+        "results": results,
+    }

@@ -1,0 +1,124 @@
+"""What ``attnforge bench`` can time: attnforge itself (auto, or any registered backend forced) and
+the peers that are importable here. Each says why it cannot run rather than failing mid-grid."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import attnforge
+from attnforge.dispatch import registered
+
+# Timed callables take (q, k, v) in (batch, seqlen, heads, dim) memory order, FlashAttention's.
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    name: str
+    summary: str
+    make: Callable  # (causal, scale) -> fn(q, k, v) -> out, inputs bshd
+    why_not: Callable = lambda device, dtype: None  # reason it cannot run here, or None
+    is_attnforge: bool = False  # attnforge.attention: its Decision is recorded with each result
+    attnforge_backend: str | None = None  # the backend it forces (None: automatic)
+
+
+def _attnforge(backend: str | None):
+    def make(causal, scale):
+        return lambda q, k, v: attnforge.attention(q, k, v, causal=causal, scale=scale, layout="bshd", backend=backend)
+    return make
+
+
+def _sdpa_kernel(kind: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, kind)
+
+    def make(causal, scale):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     is_causal=causal, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+            return out.transpose(1, 2)
+        return run
+    return make
+
+
+def _needs_cuda(device, dtype):
+    return None if device.type == "cuda" else "needs a CUDA GPU"
+
+
+def _fa4_why_not(device, dtype):
+    if device.type != "cuda":
+        return "needs a CUDA GPU"
+    try:
+        importlib.import_module("flash_attn.cute")
+    except Exception as exc:  # ImportError, or a broken install that fails on import
+        return f"flash_attn.cute (FlashAttention-4) not importable: {type(exc).__name__}: {exc}"[:200]
+    if torch.cuda.get_device_capability(device) not in ((9, 0), (10, 0), (10, 3)):
+        return "FlashAttention-4 runs on sm90/sm100 only"
+    return None
+
+
+def _fa4(causal, scale):
+    from flash_attn.cute import flash_attn_func
+
+    def run(q, k, v):
+        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+    return run
+
+
+def _fa2_why_not(device, dtype):
+    if device.type != "cuda":
+        return "needs a CUDA GPU"
+    try:
+        import flash_attn
+    except Exception as exc:
+        return f"flash_attn (FlashAttention-2) not importable: {type(exc).__name__}"
+    if not getattr(flash_attn, "__version__", "").startswith("2."):
+        return f"flash_attn {getattr(flash_attn, '__version__', '?')} is not FlashAttention-2"
+    return None
+
+
+def _fa2(causal, scale):
+    from flash_attn import flash_attn_func
+    return lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+
+
+def _fa3_why_not(device, dtype):
+    if device.type != "cuda":
+        return "needs a CUDA GPU"
+    try:
+        importlib.import_module("flash_attn_interface")
+    except Exception as exc:
+        return f"flash_attn_interface (FlashAttention-3) not importable: {type(exc).__name__}"
+    return None
+
+
+def _fa3(causal, scale):
+    from flash_attn_interface import flash_attn_func
+
+    def run(q, k, v):
+        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+    return run
+
+
+def implementations() -> dict[str, Impl]:
+    """Every implementation bench knows, by name."""
+    impls = {"auto": Impl("auto", "attnforge.attention, automatic choice", _attnforge(None), is_attnforge=True)}
+    for name, backend in registered().items():
+        impls[name] = Impl(name, f"attnforge forced to {name}: {backend.summary}", _attnforge(name),
+                           is_attnforge=True, attnforge_backend=name)
+    for kind, name in (("FLASH_ATTENTION", "sdpa-flash"), ("CUDNN_ATTENTION", "sdpa-cudnn"),
+                       ("EFFICIENT_ATTENTION", "sdpa-efficient"), ("MATH", "sdpa-math")):
+        impls[name] = Impl(name, f"torch SDPA restricted to {kind}", _sdpa_kernel(kind),
+                           why_not=_needs_cuda if name in ("sdpa-cudnn", "sdpa-efficient") else (lambda d, t: None))
+    impls["fa4"] = Impl("fa4", "FlashAttention-4 (flash_attn.cute.flash_attn_func)", _fa4, _fa4_why_not)
+    impls["fa3"] = Impl("fa3", "FlashAttention-3 (flash_attn_interface.flash_attn_func)", _fa3, _fa3_why_not)
+    impls["fa2"] = Impl("fa2", "FlashAttention-2 (flash_attn.flash_attn_func)", _fa2, _fa2_why_not)
+    return impls

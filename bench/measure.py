@@ -1,0 +1,124 @@
+"""Timing, FLOPs, errors, memory and the environment that makes a number meaningful."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+import attnforge
+from attnforge.backends.reference import kernels as reference
+from attnforge.testing import rel_error
+
+FLOP_FORMULA = ("forward: 2 * batch * heads * seqlen_q * seqlen_k * (head_dim + head_dim_v), halved when causal "
+                "(= 4*B*H*N^2*d for d = dv); forward+backward: 3.5x the forward (backward = 2.5x forward, "
+                "FlashAttention's benchmark convention)")
+TIMING = ("CUDA events via triton.testing.do_bench (L2 flushed between runs), quantiles 0.5/0.1/0.9 of the "
+          "repetitions; on CPU time.perf_counter around each call")
+PEAK_MEM = "device memory one call allocates at its peak beyond what was allocated before it (inputs excluded)"
+
+
+def flops(batch, heads, seqlen_q, seqlen_k, head_dim, head_dim_v, causal, mode) -> float:
+    fwd = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim + head_dim_v) / (2 if causal else 1)
+    return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def time_ms(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> tuple[float, float, float]:
+    """(median, p10, p90) milliseconds per call of ``fn``."""
+    if device.type == "cuda":
+        import triton.testing
+
+        median, p10, p90 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.1, 0.9])
+        return median, p10, p90
+    deadline = time.perf_counter() + warmup_ms / 1e3
+    while time.perf_counter() < deadline:
+        fn()
+    samples, deadline = [], time.perf_counter() + rep_ms / 1e3
+    while time.perf_counter() < deadline or len(samples) < 5:
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    deciles = statistics.quantiles(samples, n=10)
+    return statistics.median(samples), deciles[0], deciles[-1]
+
+
+def peak_mem_bytes(fn, device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def reference_outputs(q, k, v, *, causal, scale, dout=None):
+    """Output (and gradients) from attnforge's reference kernels in higher precision than the inputs:
+    fp32 for fp16/bf16, fp64 for fp32 (bshd in, bshd out). The errors are measured against these."""
+    wide = torch.float64 if q.dtype == torch.float32 else torch.float32
+    q32, k32, v32 = (t.detach().to(wide).transpose(1, 2) for t in (q, k, v))
+    out, lse = reference.forward(q32, k32, v32, causal=causal, scale=scale)
+    grads = None
+    if dout is not None:
+        grads = reference.backward(q32, k32, v32, out, lse, dout.to(wide).transpose(1, 2), causal=causal, scale=scale)
+        grads = tuple(g.transpose(1, 2) for g in grads)
+    return out.transpose(1, 2), grads
+
+
+def errors(out, grads, ref_out, ref_grads) -> dict:
+    result = {"out_error": rel_error(out, ref_out), "grad_error": None, "grad_errors": None}
+    if grads is not None and ref_grads is not None:
+        each = {n: rel_error(g, r) for n, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)}
+        result.update(grad_error=max(each.values()), grad_errors=each)
+    return result
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_state(device: torch.device) -> dict | None:
+    """Clocks, power and temperature as nvidia-smi reads them now (None off NVIDIA)."""
+    if device.type != "cuda" or torch.version.cuda is None:
+        return None
+    fields = ["name", "driver_version", "pstate", "clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw",
+              "power.limit", "temperature.gpu", "utilization.gpu"]
+    try:
+        run = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+                              "-i", str(device.index or 0)], capture_output=True, text=True, timeout=20)
+        values = [x.strip() for x in run.stdout.strip().split(",")]
+        if run.returncode or len(values) != len(fields):
+            return {"error": (run.stderr or run.stdout).strip()[:200]}
+        return dict(zip((f.replace(".", "_") for f in fields), values))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
+def environment(device: torch.device) -> dict:
+    spec = attnforge.dispatch.detect(device)
+    env = {
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+        "triton": _version("triton"),
+        "nvidia_cutlass_dsl": _version("nvidia-cutlass-dsl"),
+        "flash_attn_4": _version("flash-attn-4"),
+        "flash_attn": _version("flash-attn"),
+        "attnforge": attnforge.__version__,
+        "device": {"name": spec.name, "arch": spec.arch, "vendor": spec.vendor,
+                   "multiprocessors": spec.multiprocessors, "smem_per_block": spec.smem_per_block},
+        "gpu_state_before": gpu_state(device),
+    }
+    return env

@@ -1,0 +1,56 @@
+import json
+
+from attnforge.bench import QUICK, report
+from attnforge.cli import main
+
+ROW_KEYS = {"impl", "dtype", "batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "causal",
+            "dropout_p", "mode", "status", "reason", "median_ms", "p10_ms", "p90_ms", "tflops", "peak_mem_bytes",
+            "out_error", "grad_error", "grad_errors", "decision"}
+
+
+def test_quick_bench_writes_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    assert main(["bench", "--quick", "--rep-ms", "5", "--warmup-ms", "1", "--out", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "vs sdpa-math" in text and "attnforge chose sdpa" in text
+    result = json.loads(out.read_text())
+    assert result["schema"] == report.SCHEMA
+    env = result["environment"]
+    for key in ("created_utc", "python", "torch", "triton", "attnforge", "device", "gpu_state_before", "gpu_state_after"):
+        assert key in env
+    assert "4*B*H*N^2*d" in result["settings"]["flop_formula"] and "do_bench" in result["settings"]["timing"]
+    rows = result["results"]
+    n_configs = len(QUICK.seqlens) * len(QUICK.causal) * len(QUICK.modes)
+    assert len(rows) == n_configs * len(QUICK.impls)
+    for row in rows:
+        assert set(row) == ROW_KEYS and row["status"] == "ok", row
+        assert row["p10_ms"] <= row["median_ms"] <= row["p90_ms"] and row["tflops"] > 0
+        assert 0 < row["out_error"] < 1e-5  # fp32 inputs against the fp64 reference
+        if row["mode"] == "fwd+bwd":
+            assert 0 < row["grad_error"] < 1e-5 and set(row["grad_errors"]) == {"dq", "dk", "dv"}
+        else:
+            assert row["grad_error"] is None
+        if row["impl"] in ("auto", "reference"):
+            assert row["decision"]["forward"]["backend"] == ("sdpa" if row["impl"] == "auto" else "reference")
+        else:
+            assert row["decision"] is None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+    png2 = tmp_path / "again.png"
+    assert main(["bench", "--replot", str(out), "--plot", str(png2), "--baseline", "reference"]) == 0
+    assert "vs reference" in capsys.readouterr().out and png2.exists()
+
+
+def test_unavailable_peers_are_listed_with_why(tmp_path, capsys):
+    assert main(["bench", "--quick", "--rep-ms", "2", "--warmup-ms", "1", "--seqlen", "64", "--causal", "true",
+                 "--mode", "fwd", "--backends", "auto,fa4,sdpa-cudnn", "--out", str(tmp_path / "r.json")]) == 0
+    text = capsys.readouterr().out
+    assert "not measured here:" in text and "fa4: needs a CUDA GPU" in text
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["unavailable"] == {"fa4": "needs a CUDA GPU", "sdpa-cudnn": "needs a CUDA GPU"}
+    assert [r["status"] for r in result["results"]] == ["ok", "unavailable", "unavailable"]
+
+
+def test_bad_bench_arguments(capsys):
+    assert main(["bench", "--quick", "--backends", "flash9"]) == 2
+    assert "unknown implementation(s) flash9" in capsys.readouterr().err
