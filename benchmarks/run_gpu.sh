@@ -12,7 +12,8 @@ out=${1:?usage: bash benchmarks/run_gpu.sh OUTDIR [bench args]}; shift
 mkdir -p "$out"
 log="$out/log.txt"
 export PYTHONUNBUFFERED=1
-[ -f .gpu/setup.sh ] && source .gpu/setup.sh 2>&1 | tee -a "$log"   # CuTe DSL + FlashAttention-4 where bundled
+# CuTe DSL + FlashAttention-4 where bundled (sourced, not piped: a pipe would run it in a subshell)
+[ -f .gpu/setup.sh ] && source .gpu/setup.sh >>"$log" 2>&1
 # The GPU machine has no network: install without build isolation if pip can, else put the checkout
 # on the path under the package's name (the repository root is the package).
 if ! python3 -m pip install -q --no-deps --no-build-isolation . >>"$log" 2>&1; then
