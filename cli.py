@@ -144,6 +144,12 @@ def _bench(args) -> int:
         print("\nnot measured here:")
         for name, why in result["unavailable"].items():
             print(f"  {name}: {why}")
+    missing = {n: why for n, why in result["environment"].get("peers", {}).items()
+               if why != "available" and n not in result["unavailable"]}
+    if missing:
+        print("\nother peers, not available here:")
+        for name, why in missing.items():
+            print(f"  {name}: {why}")
     if args.out:
         report.write_json(result, args.out)
         print(f"wrote {args.out}")

@@ -80,6 +80,8 @@ def run(cfg: BenchConfig, progress=print, checkpoint=None) -> dict:
     device = torch.device(cfg.device)
     known = implementations()
     env = measure.environment(device)
+    # Every peer bench knows, and whether it can run here (so a missing one is listed with why).
+    env["peers"] = {name: impl.why_not(device, None) or "available" for name, impl in known.items()}
     unavailable = {}
     results = []
     gen = torch.Generator(device=device).manual_seed(cfg.seed)

@@ -49,6 +49,9 @@ def test_unavailable_peers_are_listed_with_why(tmp_path, capsys):
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["unavailable"] == {"fa4": "needs a CUDA GPU", "sdpa-cudnn": "needs a CUDA GPU"}
     assert [r["status"] for r in result["results"]] == ["ok", "unavailable", "unavailable"]
+    assert result["environment"]["peers"]["fa2"] == "needs a CUDA GPU"
+    assert result["environment"]["peers"]["reference"] == "available"
+    assert "other peers, not available here:" in text and "fa3: needs a CUDA GPU" in text
 
 
 def test_bad_bench_arguments(capsys):
