@@ -3,6 +3,8 @@
 from ..dispatch.registry import register
 from .reference import ReferenceBackend
 from .sdpa import SdpaBackend
+from .triton_fa2 import TritonFA2Backend
 
+register(TritonFA2Backend())
 register(SdpaBackend())
 register(ReferenceBackend())

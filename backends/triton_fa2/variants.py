@@ -1,0 +1,180 @@
+"""The triton_fa2 variant table: tile configs per arch and head dim, and the ONE validity check
+that supports(), the heuristic that picks a variant, codegen and the autotuner all use.
+
+Where the numbers come from (../shared/notes/triton-attention.md, sections 2-3):
+- shared memory: Triton 3.9's pointer kernel at d=128 measured Q + (stages-1) x (K + V) tiles plus
+  ~8 KiB of layout scratch (64x64 s2: 56 KiB, 128x64 s2: 64 KiB, 128x64 s3: 96 KiB, 128x128 s2: 96 KiB);
+- tiles: FlashAttention-2's CUDA launch templates (sm80 d64 128x128, d128 128x64; sm86/89 64x64
+  for d128; d256 64x64 where shared memory is short), the H200 probe in those notes (d64 128x64 w8
+  s3, d128 128x64/128x128 w8), and spill checks there (d128 128x64 needs 8 warps, not 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)  # non-powers of two are padded to the next power inside the kernel
+ELEMENT_BYTES = 2  # fp16 / bf16
+REGISTERS_PER_THREAD = 192  # budget for the accumulators and tiles; the rest of 255 is addresses and indices
+LAYOUT_SCRATCH = 8 * 1024
+
+# Opt-in shared memory per block (bytes) of the archs triton_fa2 has tables for.
+SMEM = {"sm80": 166912, "sm86": 101376, "sm89": 101376, "sm90": 232448, "sm100": 232448, "sm120": 101376}
+
+
+def padded(head_dim: int) -> int:
+    return 1 << (head_dim - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdTile:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    loads: str = "pointer"  # or "descriptor" (TMA on sm90+)
+
+    @property
+    def module(self) -> str:
+        loads = {"pointer": "ptr", "descriptor": "desc"}[self.loads]
+        return f"fwd_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}_{loads}"
+
+    def params(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def smem_bytes(self, head_dim: int) -> int:
+        d = padded(head_dim)
+        return ELEMENT_BYTES * (self.block_m * d + max(self.num_stages - 1, 1) * 2 * self.block_n * d) + LAYOUT_SCRATCH
+
+    def registers(self, head_dim: int) -> int:
+        d = padded(head_dim)  # fp32 accumulator + 16-bit q (two per register) + fp32 scores
+        return (self.block_m * d + self.block_m * d // 2 + self.block_m * self.block_n) // (32 * self.num_warps)
+
+    def describe(self) -> str:
+        return f"fwd {self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages} {self.loads}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdTile:
+    block_m1: int  # queries per step, dK/dV kernel
+    block_n1: int  # keys per program, dK/dV kernel
+    block_m2: int  # queries per program, dQ kernel
+    block_n2: int  # keys per step, dQ kernel
+    num_warps: int
+    num_stages: int
+
+    @property
+    def module(self) -> str:
+        return (f"bwd_m{self.block_m1}_n{self.block_n1}_m{self.block_m2}_n{self.block_n2}"
+                f"_w{self.num_warps}_s{self.num_stages}")
+
+    def params(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def smem_bytes(self, head_dim: int) -> int:
+        d, stages = padded(head_dim), max(self.num_stages - 1, 1)
+        dkdv = self.block_n1 * d * 2 + stages * 2 * self.block_m1 * d  # k, v resident; q, dO streamed
+        dq = self.block_m2 * d * 2 + stages * 2 * self.block_n2 * d  # q, dO resident; k, v streamed
+        return ELEMENT_BYTES * max(dkdv, dq) + LAYOUT_SCRATCH
+
+    def registers(self, head_dim: int) -> int:
+        d = padded(head_dim)  # dK/dV: two fp32 accumulators + k, v + P/dS; dQ: one accumulator + q, dO + P/dS
+        dkdv = 2 * self.block_n1 * d + self.block_n1 * d + self.block_n1 * self.block_m1
+        dq = self.block_m2 * d + self.block_m2 * d + self.block_m2 * self.block_n2
+        return max(dkdv, dq) // (32 * self.num_warps)
+
+    def describe(self) -> str:
+        return (f"bwd dkdv {self.block_n1}x{self.block_m1} dq {self.block_m2}x{self.block_n2} "
+                f"w{self.num_warps} s{self.num_stages}")
+
+
+def check(tile: FwdTile | BwdTile, arch: str, head_dim: int) -> list[str]:
+    """The one validity check: reasons ``tile`` cannot serve ``head_dim`` on ``arch`` (empty: it can)."""
+    reasons = []
+    blocks = ((tile.block_m, tile.block_n) if isinstance(tile, FwdTile)
+              else (tile.block_m1, tile.block_n1, tile.block_m2, tile.block_n2))
+    if any(b < 16 or b & (b - 1) for b in blocks):
+        reasons.append(f"{tile.describe()}: tile sides must be powers of two >= 16 (tensor-core shapes)")
+    if arch not in SMEM:
+        reasons.append(f"no shared-memory figure for {arch}")
+    elif tile.smem_bytes(head_dim) > SMEM[arch]:
+        reasons.append(f"{tile.describe()} at head_dim {head_dim} needs ~{tile.smem_bytes(head_dim) // 1024} KiB of "
+                       f"shared memory, {arch} has {SMEM[arch] // 1024} KiB")
+    if tile.registers(head_dim) > REGISTERS_PER_THREAD:
+        reasons.append(f"{tile.describe()} at head_dim {head_dim} needs ~{tile.registers(head_dim)} registers per "
+                       f"thread for its tiles (budget {REGISTERS_PER_THREAD})")
+    if isinstance(tile, FwdTile) and tile.loads == "descriptor" and arch in ("sm80", "sm86", "sm89"):
+        reasons.append("descriptor loads need TMA (sm90+)")
+    return reasons
+
+
+def _f(m, n, w, s, loads="pointer"):
+    return FwdTile(m, n, w, s, loads)
+
+
+_AMPERE_100K_FWD = {  # sm86/sm89/sm120: ~99 KiB of shared memory
+    32: [_f(128, 64, 4, 2)], 64: [_f(128, 64, 4, 2)], 96: [_f(64, 64, 4, 2)], 128: [_f(64, 64, 4, 2)],
+    192: [_f(64, 32, 8, 2)], 256: [_f(64, 32, 8, 2)],
+}
+_HOPPER_FWD = {  # sm90/sm100: 227 KiB, tensor descriptors lowered to TMA
+    32: [_f(128, 64, 4, 3, "descriptor")], 64: [_f(128, 64, 8, 3, "descriptor")],
+    96: [_f(128, 64, 8, 2, "descriptor")], 128: [_f(128, 64, 8, 2, "descriptor")],
+    192: [_f(64, 64, 8, 2, "descriptor")], 256: [_f(64, 64, 8, 2, "descriptor")],
+}
+FWD: dict[str, dict[int, list[FwdTile]]] = {
+    "sm80": {32: [_f(128, 64, 4, 2)], 64: [_f(128, 64, 4, 3)], 96: [_f(128, 64, 8, 2)], 128: [_f(128, 64, 8, 2)],
+             192: [_f(64, 64, 8, 2)], 256: [_f(64, 64, 8, 2)]},
+    "sm86": _AMPERE_100K_FWD, "sm89": _AMPERE_100K_FWD, "sm120": _AMPERE_100K_FWD,
+    "sm90": _HOPPER_FWD, "sm100": _HOPPER_FWD,
+}
+
+_BIG_BWD = {  # sm80/sm90/sm100
+    32: [BwdTile(64, 128, 128, 64, 8, 2)], 64: [BwdTile(64, 128, 128, 64, 8, 2)],
+    96: [BwdTile(64, 64, 64, 64, 8, 2)], 128: [BwdTile(64, 64, 64, 64, 8, 2)],
+    192: [BwdTile(32, 32, 32, 32, 8, 2)], 256: [BwdTile(32, 32, 32, 32, 8, 2)],
+}
+_SMALL_BWD = {  # sm86/sm89/sm120
+    32: [BwdTile(32, 64, 64, 32, 4, 2)], 64: [BwdTile(32, 64, 64, 32, 4, 2)],
+    96: [BwdTile(32, 64, 64, 32, 8, 2)], 128: [BwdTile(32, 64, 64, 32, 8, 2)],
+    192: [BwdTile(32, 32, 32, 32, 8, 1)], 256: [BwdTile(32, 32, 32, 32, 8, 1)],
+}
+BWD: dict[str, dict[int, list[BwdTile]]] = {
+    "sm80": _BIG_BWD, "sm86": _SMALL_BWD, "sm89": _SMALL_BWD, "sm120": _SMALL_BWD, "sm90": _BIG_BWD, "sm100": _BIG_BWD,
+}
+
+
+def pick(table: dict, arch: str, head_dim: int) -> tuple[FwdTile | BwdTile | None, list[str]]:
+    """The first tile of the table's list for (arch, head_dim) that passes check(), with the reasons
+    none did (when none did)."""
+    if arch not in table:
+        return None, [f"no triton_fa2 tiles for {arch} (has {', '.join(table)})"]
+    candidates = table[arch].get(head_dim)
+    if not candidates:
+        return None, [f"head_dim {head_dim} has no triton_fa2 variant (has {', '.join(map(str, HEAD_DIMS))})"]
+    reasons = []
+    for tile in candidates:
+        why = check(tile, arch, head_dim)
+        if not why:
+            return tile, []
+        reasons += why
+    return None, reasons
+
+
+def codegen_targets() -> list[tuple[str, dict, str]]:
+    """(template, parameters, module path inside the package) for every module codegen renders."""
+    fwd, bwd = all_tiles()
+    out = [("triton_fa2_fwd.py.jinja", t.params(), f"backends/triton_fa2/_generated/{t.module}.py") for t in fwd]
+    out += [("triton_fa2_bwd.py.jinja", t.params(), f"backends/triton_fa2/_generated/{t.module}.py") for t in bwd]
+    return out
+
+
+def all_tiles() -> tuple[list[FwdTile], list[BwdTile]]:
+    """Every tile the heuristic can pick on some arch and head dim: what codegen renders."""
+    fwd, bwd = {}, {}
+    for table, out in ((FWD, fwd), (BWD, bwd)):
+        for arch in table:
+            for head_dim in HEAD_DIMS:
+                tile, _ = pick(table, arch, head_dim)
+                if tile is not None:
+                    out[tile.module] = tile
+    return sorted(fwd.values(), key=lambda t: t.module), sorted(bwd.values(), key=lambda t: t.module)
