@@ -4,7 +4,7 @@
 # peers. Writes log.txt, host_overhead.json, bench.json (updated after each configuration), bench.png
 # and bench.txt into OUTDIR.
 #
-#   bash benchmarks/run_gpu.sh OUTDIR [extra attnforge bench arguments]
+#   bash benchmarks/run_gpu.sh OUTDIR [extra attnforge bench arguments]    (SWEEP=1: also the triton_fa2 tile sweep)
 # On the lent H200: run with .gpu carried (../shared/device/gpu-bundle.sh --peers builds it) for
 # FlashAttention-4; OUTDIR=$OUT.
 set -uo pipefail
@@ -26,6 +26,7 @@ nvidia-smi 2>&1 | tee -a "$log"
   echo "=== tests"; python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tail -n 25
   echo "=== demo"; python3 -m attnforge demo
   echo "=== host overhead"; python3 benchmarks/host_overhead.py --json "$out/host_overhead.json"
+  if [ -n "${SWEEP:-}" ]; then echo "=== triton_fa2 tile sweep"; python3 benchmarks/sweep_triton_fa2.py --json "$out/sweep.json"; fi
 } 2>&1 | tee -a "$log"
 echo "=== bench" | tee -a "$log"
 python3 -m attnforge bench --out "$out/bench.json" "$@" 2>&1 | tee "$out/bench.txt"

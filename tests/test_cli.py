@@ -14,15 +14,17 @@ def test_explain_h100_fp32_shows_fallback(capsys):
     assert "fp32 b=1 h=32/8kv nq=4096 nk=4096 d=128 on sm90 (NVIDIA H100 80GB HBM3)" in out
     assert "fallback: cute_sm90 is preferred on sm90 but not in this build of attnforge" in out
     assert "forward : sdpa" in out
+    assert "triton_fa2  rejected  dtype fp32 is not supported; supports bf16, fp16" in out
 
 
-@pytest.mark.parametrize(("device", "arch"), [("cpu", "cpu"), ("MI300X", "gfx942"), ("B200", "sm100")])
-def test_explain_json(capsys, device, arch):
+@pytest.mark.parametrize(("device", "arch", "backend"), [("cpu", "cpu", "sdpa"), ("MI300X", "gfx942", "sdpa"),
+                                                       ("B200", "sm100", "triton_fa2")])
+def test_explain_json(capsys, device, arch, backend):
     assert main(["explain", "--device", device, "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "8192",
                  "--causal", "--needs-grad", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["problem"]["device"]["arch"] == arch and d["problem"]["causal"] is True
-    assert d["forward"]["backend"] == "sdpa" and d["backward"]["backend"] == "sdpa" and d["ok"]
+    assert d["forward"]["backend"] == backend and d["backward"]["backend"] == backend and d["ok"]
 
 
 def test_explain_errors_exit_2(capsys):

@@ -140,5 +140,5 @@ def test_decisions_are_cached_and_fallbacks_logged_once(caplog):
         explain(device="cpu", dtype="bf16", head_dim=128, seqlen_q=2048)  # not a fallback: silent
     records = [r for r in caplog.records if r.name == "attnforge"]
     assert len(records) == 1
-    assert "-> sdpa instead of cute_sm90" in records[0].getMessage()
+    assert "-> triton_fa2 instead of cute_sm90 (not in this build of attnforge)" in records[0].getMessage()
     assert decide.cache_info().hits >= 3

@@ -18,8 +18,8 @@ BLOCK_M1 = tl.constexpr(64)  # queries per step of the dK/dV loop
 BLOCK_N1 = tl.constexpr(128)  # keys per dK/dV program
 BLOCK_M2 = tl.constexpr(128)  # queries per dQ program
 BLOCK_N2 = tl.constexpr(64)  # keys per step of the dQ loop
-NUM_WARPS = 8
-NUM_STAGES = 2
+NUM_WARPS = 8  # launch option, host side
+NUM_STAGES = tl.constexpr(2)  # software-pipelining depth of the main loops
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -191,7 +191,7 @@ def launch(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float) -
     group = heads // heads_kv
     pad = triton.next_power_of_2(head_dim)
     delta = torch.empty_like(lse)
-    opts = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    opts = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES.value)
     preprocess_kernel[(triton.cdiv(seqlen_q, 128), batch * heads)](
         out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         heads, seqlen_q, HEAD_DIM=pad, D=head_dim, **opts)

@@ -15,8 +15,8 @@ import triton.language as tl
 
 BLOCK_M = tl.constexpr(128)
 BLOCK_N = tl.constexpr(64)
-NUM_WARPS = 8
-NUM_STAGES = 2
+NUM_WARPS = 8  # launch option, host side
+NUM_STAGES = tl.constexpr(2)  # software-pipelining depth of the main loops
 LOADS = "descriptor"
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -115,4 +115,4 @@ def launch(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
                      v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                      batch, heads, heads // k.shape[1], seqlen_q, k.shape[2],
                      HEAD_DIM=triton.next_power_of_2(head_dim), D=head_dim, CAUSAL=causal,
-                     num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                     num_warps=NUM_WARPS, num_stages=NUM_STAGES.value)

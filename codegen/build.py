@@ -1,0 +1,181 @@
+"""Ahead-of-time compilation of the generated Triton kernels (no GPU needed) and the build cache.
+
+``triton.compile`` with a GPUTarget compiles a generated kernel for any NVIDIA (or AMD) target on
+a machine with no GPU. The cache is keyed by attnforge's version, a fingerprint of the generated
+source, the toolchain (triton) version, the target and the variant; each key is built under a
+file lock, and an entry that does not read back whole is deleted and rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
+
+from .._version import __version__
+
+# Pointer arguments that hold fp32 whatever the inputs' dtype; every other pointer holds the data dtype.
+FP32_POINTERS = {"LSE", "DELTA"}
+TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16"}
+# Instructions that show a kernel uses what its target offers (../shared/notes/triton-attention.md, section 5).
+MARKERS = r"\b(HMMA\.\w+|HGMMA\.\w+|UTMALDG\.\w+|LDGSTS|UTCHMMA\w*|QGMMA\.\w+)"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBuild:
+    """One kernel of one generated module, specialised for a target, dtype, head dim and causality."""
+
+    module: str  # module name under attnforge.backends.triton_fa2._generated
+    kernel: str  # function name in it
+    arch: str  # "sm80", "sm90", ...
+    dtype: str
+    head_dim: int
+    causal: bool
+    num_warps: int
+    num_stages: int
+
+    @property
+    def capability(self) -> int:
+        return int(self.arch.removeprefix("sm"))
+
+    def name(self) -> str:
+        return (f"{self.module}.{self.kernel}.{self.arch}.{self.dtype}.d{self.head_dim}."
+                f"{'causal' if self.causal else 'full'}")
+
+
+def _function(build: KernelBuild):
+    module = importlib.import_module(f"attnforge.backends.triton_fa2._generated.{build.module}")
+    return module, getattr(module, build.kernel)
+
+
+def signature(fn, dtype: str) -> tuple[dict, dict]:
+    """Triton's signature and pointer-alignment attributes for a generated kernel, as the JIT would
+    see them for 16-byte-aligned tensors (every pointer divisible by 16)."""
+    sig, attrs = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name.isupper() and p.name not in ("B", "H", "GROUP", "N_Q", "N_K"):
+            sig[p.name] = "*fp32" if p.name in FP32_POINTERS else f"*{TRITON_DTYPES[dtype]}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif "scale" in p.name:
+            sig[p.name] = "fp32"
+        else:
+            sig[p.name] = "i32"
+    return sig, attrs
+
+
+def compile_kernel(build: KernelBuild):
+    """triton.compile the kernel for its target; returns the CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # explicit: it is in Triton's cache key
+    _, fn = _function(build)
+    sig, attrs = signature(fn, build.dtype)
+    pad = 1 << (build.head_dim - 1).bit_length()
+    constexprs = {"HEAD_DIM": pad, "D": build.head_dim}
+    if "CAUSAL" in sig:
+        constexprs["CAUSAL"] = build.causal
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", build.capability, 32),
+                          options={"num_warps": build.num_warps, "num_stages": build.num_stages})
+
+
+def _nvidia_tool(name: str) -> str:
+    import triton
+
+    return str(pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers, stack (spill) bytes and static shared memory of a cubin, from cuobjdump -res-usage."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return {"registers": int(fields.get("REG", 0)), "stack_bytes": int(fields.get("STACK", 0)),
+            "local_bytes": int(fields.get("LOCAL", 0))}
+
+
+def instructions(sass: str) -> list[str]:
+    """The tensor-core and TMA instructions a kernel's SASS uses."""
+    return sorted(set(re.findall(MARKERS, sass)))
+
+
+def fingerprint(build: KernelBuild) -> str:
+    """The cache key: attnforge version, generated source, triton version, target and variant."""
+    import triton
+
+    module, _ = _function(build)
+    source = pathlib.Path(module.__file__).read_bytes()
+    h = hashlib.sha256()
+    for part in (__version__, triton.__version__, os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"), build.name(),
+                 str(build.num_warps), str(build.num_stages)):
+        h.update(part.encode() + b"\0")
+    h.update(source)
+    return h.hexdigest()[:32]
+
+
+def default_cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("ATTNFORGE_CACHE_DIR", pathlib.Path.home() / ".cache" / "attnforge"))
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _read_entry(entry: pathlib.Path) -> dict | None:
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        if (entry / "kernel.cubin").stat().st_size != meta["cubin_bytes"]:
+            return None
+        return meta
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def build_cached(build: KernelBuild, cache_dir: pathlib.Path, keep_asm: bool = False) -> tuple[dict, bool]:
+    """Compile ``build`` into ``cache_dir`` unless a whole entry is there. Returns (meta, built_now)."""
+    key = fingerprint(build)
+    entry = cache_dir / key
+    with _locked(cache_dir / "locks" / f"{key}.lock"):
+        meta = _read_entry(entry)
+        if meta is not None and (not keep_asm or (entry / "kernel.sass").exists()):
+            return meta, False
+        if entry.exists():  # corrupt or partial: rebuild from scratch
+            shutil.rmtree(entry)
+        ck = compile_kernel(build)
+        tmp = pathlib.Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}."))
+        cubin = ck.asm["cubin"]
+        (tmp / "kernel.cubin").write_bytes(cubin)
+        res = resources(cubin)
+        sass = ck.asm["sass"] if keep_asm else None
+        if keep_asm:
+            (tmp / "kernel.ptx").write_text(ck.asm["ptx"])
+            (tmp / "kernel.sass").write_text(sass)
+        meta = {"build": dataclasses.asdict(build), "key": key, "kernel_name": ck.metadata.name,
+                "shared_bytes": ck.metadata.shared, "cubin_bytes": len(cubin), **res,
+                "instructions": instructions(sass) if sass else None}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        tmp.rename(entry)  # atomic: a reader sees no entry or a whole one
+        return meta, True
