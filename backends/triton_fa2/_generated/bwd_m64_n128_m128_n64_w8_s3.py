@@ -2,24 +2,24 @@
 # Change the template or the variant table and re-render (attnforge codegen).
 # Parameters:
 #   block_m1 = 64
-#   block_m2 = 64
-#   block_n1 = 64
+#   block_m2 = 128
+#   block_n1 = 128
 #   block_n2 = 64
-#   num_stages = 2
+#   num_stages = 3
 #   num_warps = 8
 
-"""FA2 backward kernels: dK/dV tiles 64 keys x 64 queries, dQ tiles 64 queries x 64 keys, 8 warps, 2 stages."""
+"""FA2 backward kernels: dK/dV tiles 128 keys x 64 queries, dQ tiles 128 queries x 64 keys, 8 warps, 3 stages."""
 
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_M1 = tl.constexpr(64)  # queries per step of the dK/dV loop
-BLOCK_N1 = tl.constexpr(64)  # keys per dK/dV program
-BLOCK_M2 = tl.constexpr(64)  # queries per dQ program
+BLOCK_N1 = tl.constexpr(128)  # keys per dK/dV program
+BLOCK_M2 = tl.constexpr(128)  # queries per dQ program
 BLOCK_N2 = tl.constexpr(64)  # keys per step of the dQ loop
 NUM_WARPS = 8  # launch option, host side
-NUM_STAGES = tl.constexpr(2)  # software-pipelining depth of the main loops
+NUM_STAGES = tl.constexpr(3)  # software-pipelining depth of the main loops
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -192,16 +192,16 @@ def launch(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float) -
     pad = triton.next_power_of_2(head_dim)
     delta = torch.empty_like(lse)
     opts = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES.value)
-    preprocess_kernel[(triton.cdiv(seqlen_q, 64), batch * heads)](
+    preprocess_kernel[(triton.cdiv(seqlen_q, 128), batch * heads)](
         out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         heads, seqlen_q, HEAD_DIM=pad, D=head_dim, **opts)
     strides_in = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                   v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     scales = (scale * 1.4426950408889634, scale)
-    dkdv_kernel[(triton.cdiv(seqlen_k, 64), batch * heads_kv)](
+    dkdv_kernel[(triton.cdiv(seqlen_k, 128), batch * heads_kv)](
         q, k, v, dout, lse, delta, dk, dv, *scales, *strides_in,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         heads, group, seqlen_q, seqlen_k, HEAD_DIM=pad, D=head_dim, CAUSAL=causal, **opts)
-    dq_kernel[(triton.cdiv(seqlen_q, 64), batch * heads)](
+    dq_kernel[(triton.cdiv(seqlen_q, 128), batch * heads)](
         q, k, v, dout, lse, delta, dq, *scales, *strides_in, dq.stride(0), dq.stride(1), dq.stride(2),
         heads, group, seqlen_q, seqlen_k, HEAD_DIM=pad, D=head_dim, CAUSAL=causal, **opts)
