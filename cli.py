@@ -159,6 +159,31 @@ def _bench(args) -> int:
     return 0
 
 
+def _codegen(args) -> int:
+    from .codegen.generate import main as codegen_main
+
+    return codegen_main(["--check"] if args.check else [])
+
+
+def _build(args) -> int:
+    import pathlib
+
+    from .codegen import build
+
+    builds = build.plan(args.target, dtypes=args.dtype, head_dims=args.head_dim,
+                        causal={"both": (False, True), "true": (True,), "false": (False,)}[args.causal])
+    if args.list:
+        for b in builds:
+            print(b.name())
+        print(f"{len(builds)} kernels")
+        return 0
+    out = pathlib.Path(args.out) if args.out else build.default_cache_dir()
+    results = build.run(builds, out, keep_asm=args.keep_asm, progress=lambda m: print(m, file=sys.stderr))
+    spilled = [r for r in results if r["stack_bytes"]]
+    print(f"{len(results)} kernels in {out}" + (f"; {len(spilled)} spill to local memory" if spilled else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnforge", description="One attention() call across GPU generations.")
     parser.add_argument("--version", action="version", version=f"attnforge {__version__}")
@@ -184,6 +209,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="versions, the local device and which backends can run here")
     p.set_defaults(run=_doctor)
+
+    p = sub.add_parser("codegen", help="render the kernel modules from templates/ (--check: fail if stale)")
+    p.add_argument("--check", action="store_true")
+    p.set_defaults(run=_codegen)
+
+    p = sub.add_parser("build", help="compile the kernels a deployment needs ahead of time (no GPU needed)")
+    p.add_argument("--target", type=_csv(str), required=True, help="comma list: sm80,sm86,sm89,sm90,sm100,sm120")
+    p.add_argument("--backend", default="triton_fa2", choices=("triton_fa2",), help="(only triton_fa2 builds today)")
+    p.add_argument("--dtype", type=_csv(str), default=("fp16", "bf16"))
+    p.add_argument("--head-dim", type=_csv(int), default=None, help="default: every head dim of the variant table")
+    p.add_argument("--causal", choices=("both", "true", "false"), default="both")
+    p.add_argument("--out", help="cache folder (default $ATTNFORGE_CACHE_DIR or ~/.cache/attnforge)")
+    p.add_argument("--list", action="store_true", help="list what would be built, build nothing")
+    p.add_argument("--keep-asm", action="store_true", help="write PTX and SASS next to each cubin")
+    p.set_defaults(run=_build)
 
     p = sub.add_parser("bench", help="time attnforge beside the attention kernels importable here, same inputs, same run")
     p.add_argument("--quick", action="store_true", help="a small CPU grid (attnforge auto and reference vs SDPA math)")
@@ -218,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except AttnforgeError as exc:
+    except (AttnforgeError, ValueError) as exc:
         print(f"attnforge: error: {exc}", file=sys.stderr)
         return 2
 

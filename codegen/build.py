@@ -179,3 +179,47 @@ def build_cached(build: KernelBuild, cache_dir: pathlib.Path, keep_asm: bool = F
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         tmp.rename(entry)  # atomic: a reader sees no entry or a whole one
         return meta, True
+
+
+BUILD_TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120")
+
+
+def plan(targets, dtypes=("fp16", "bf16"), head_dims=None, causal=(False, True)) -> list[KernelBuild]:
+    """Every kernel triton_fa2 launches for these targets, dtypes, head dims and causal flags, from
+    the variant table's picks (what the dispatcher would run)."""
+    from ..backends.triton_fa2 import variants
+
+    builds = {}
+    for arch in targets:
+        if arch not in BUILD_TARGETS:
+            raise ValueError(f"unknown build target {arch!r}; targets: {', '.join(BUILD_TARGETS)}")
+        for head_dim in head_dims or variants.HEAD_DIMS:
+            fwd, fwd_why = variants.pick(variants.FWD, arch, head_dim)
+            bwd, bwd_why = variants.pick(variants.BWD, arch, head_dim)
+            if fwd is None or bwd is None:
+                raise ValueError(f"{arch} d={head_dim}: " + "; ".join(fwd_why + bwd_why))
+            for dtype in dtypes:
+                for is_causal in causal:
+                    for tile, kernel in ((fwd, "fwd_kernel"), (bwd, "dkdv_kernel"), (bwd, "dq_kernel"),
+                                         (bwd, "preprocess_kernel")):
+                        flag = is_causal if kernel != "preprocess_kernel" else False  # it has no causal variant
+                        b = KernelBuild(tile.module, kernel, arch, dtype, head_dim, flag, tile.num_warps, tile.num_stages)
+                        builds[b] = None
+    return list(builds)
+
+
+def run(builds: list[KernelBuild], cache_dir: pathlib.Path, keep_asm: bool = False, progress=print) -> list[dict]:
+    """Build (or find in the cache) every kernel of ``builds``, reporting each as it goes."""
+    import time
+
+    results = []
+    for i, b in enumerate(builds, 1):
+        t0 = time.perf_counter()
+        meta, built = build_cached(b, cache_dir, keep_asm)
+        what = f"built in {time.perf_counter() - t0:.1f}s" if built else "cached"
+        spill = f", SPILLS {meta['stack_bytes']} B" if meta["stack_bytes"] else ""
+        insns = f", {' '.join(meta['instructions'])}" if meta.get("instructions") else ""
+        progress(f"[{i}/{len(builds)}] {b.name()}: {what} ({meta['registers']} registers, "
+                 f"{meta['shared_bytes'] // 1024} KiB shared{spill}{insns})")
+        results.append(meta)
+    return results

@@ -114,9 +114,12 @@ def _f(m, n, w, s, loads="pointer"):
     return FwdTile(m, n, w, s, loads)
 
 
+# sm80/sm86/sm89/sm120 (pointer loads): the tiles of FlashAttention-2's launch templates spill in
+# this kernel under Triton 3.9 (compile sweep, 2026-11-29: at d=128, 128x64 w4 spills 7 KiB, 128x64
+# w8 256 B, 64x64 w4 16 B); these are the largest spill-free ones, 8 warps throughout.
 _AMPERE_100K_FWD = {  # sm86/sm89/sm120: ~99 KiB of shared memory
-    32: [_f(128, 64, 4, 2)], 64: [_f(128, 64, 4, 2)], 96: [_f(64, 64, 4, 2)], 128: [_f(64, 64, 4, 2)],
-    192: [_f(64, 32, 8, 2)], 256: [_f(64, 32, 8, 2)],
+    32: [_f(128, 64, 8, 2)], 64: [_f(64, 64, 8, 2)], 96: [_f(64, 64, 8, 2)], 128: [_f(64, 64, 8, 2)],
+    192: [_f(32, 32, 8, 1)], 256: [_f(32, 32, 8, 1)],  # sm89: every 64-row tile spills 16-32 B here
 }
 # sm90/sm100: 227 KiB, tensor descriptors lowered to TMA. d64/d128: the H200 sweep of 2026-11-29
 # (benchmarks/results/2026-11-29-h200-triton_fa2/sweep.json): 128x64 w8 s3 descriptor was fastest or
@@ -127,26 +130,30 @@ _HOPPER_FWD = {
     192: [_f(64, 64, 8, 2, "descriptor")], 256: [_f(64, 64, 8, 2, "descriptor")],
 }
 FWD: dict[str, dict[int, list[FwdTile]]] = {
-    "sm80": {32: [_f(128, 64, 4, 2)], 64: [_f(128, 64, 4, 3)], 96: [_f(128, 64, 8, 2)], 128: [_f(128, 64, 8, 2)],
-             192: [_f(64, 64, 8, 2)], 256: [_f(64, 64, 8, 2)]},
+    "sm80": {32: [_f(128, 64, 8, 2)], 64: [_f(128, 64, 8, 3)], 96: [_f(64, 64, 8, 2)], 128: [_f(64, 64, 8, 2)],
+             192: [_f(64, 32, 8, 2)], 256: [_f(64, 64, 8, 2)]},
     "sm86": _AMPERE_100K_FWD, "sm89": _AMPERE_100K_FWD, "sm120": _AMPERE_100K_FWD,
     "sm90": _HOPPER_FWD, "sm100": _HOPPER_FWD,
 }
 
 # sm90 d64/d128 from the same sweep: d128 dK/dV 128 keys x 64 queries, dQ 128x64, w8 s3 (389-401
-# TFLOP/s, backward = 2.5x forward FLOPs); d64 64x64 w4 s3 (297-331). sm80 takes the same until measured.
-_BIG_BWD = {  # sm80/sm90/sm100
+# TFLOP/s, backward = 2.5x forward FLOPs); d64 64x64 w4 s3 (297-331). d192/256 not measured yet.
+_HOPPER_BWD = {  # sm90/sm100
     32: [BwdTile(64, 64, 64, 64, 4, 3)], 64: [BwdTile(64, 64, 64, 64, 4, 3)],
     96: [BwdTile(64, 128, 128, 64, 8, 3)], 128: [BwdTile(64, 128, 128, 64, 8, 3)],
     192: [BwdTile(32, 32, 32, 32, 8, 2)], 256: [BwdTile(32, 32, 32, 32, 8, 2)],
 }
-_SMALL_BWD = {  # sm86/sm89/sm120
-    32: [BwdTile(32, 64, 64, 32, 4, 2)], 64: [BwdTile(32, 64, 64, 32, 4, 2)],
-    96: [BwdTile(32, 64, 64, 32, 8, 2)], 128: [BwdTile(32, 64, 64, 32, 8, 2)],
-    192: [BwdTile(32, 32, 32, 32, 8, 1)], 256: [BwdTile(32, 32, 32, 32, 8, 1)],
+# sm80/sm86/sm89/sm120: the largest tiles whose dK/dV and dQ kernels compile spill-free for sm80
+# under Triton 3.9 (compile sweep, 2026-11-29; every 64-key dK/dV tile spilled at d >= 64, up to 7 KiB).
+# Not yet timed on an Ampere/Ada GPU.
+_AMPERE_BWD = {
+    32: [BwdTile(32, 64, 64, 32, 4, 2)], 64: [BwdTile(32, 32, 32, 32, 8, 1)],
+    96: [BwdTile(32, 32, 32, 32, 8, 1)], 128: [BwdTile(32, 32, 32, 32, 8, 1)],
+    192: [BwdTile(16, 32, 32, 16, 8, 1)], 256: [BwdTile(16, 32, 32, 16, 8, 1)],
 }
 BWD: dict[str, dict[int, list[BwdTile]]] = {
-    "sm80": _BIG_BWD, "sm86": _SMALL_BWD, "sm89": _SMALL_BWD, "sm120": _SMALL_BWD, "sm90": _BIG_BWD, "sm100": _BIG_BWD,
+    "sm80": _AMPERE_BWD, "sm86": _AMPERE_BWD, "sm89": _AMPERE_BWD, "sm120": _AMPERE_BWD,
+    "sm90": _HOPPER_BWD, "sm100": _HOPPER_BWD,
 }
 
 

@@ -142,3 +142,22 @@ def test_decisions_are_cached_and_fallbacks_logged_once(caplog):
     assert len(records) == 1
     assert "-> triton_fa2 instead of cute_sm90 (not in this build of attnforge)" in records[0].getMessage()
     assert decide.cache_info().hits >= 3
+
+
+def test_a100_gets_triton_fa2_with_its_variant_and_head_dim_512_falls_back():
+    d = explain(device="A100", dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, needs_grad=True)
+    assert d.forward.backend == "triton_fa2" and not d.fallback
+    assert d.forward.variant.startswith("fwd 64x64 w8 s2 pointer; bwd dkdv")
+    assert d.backward.backend == "triton_fa2"
+    d = explain(device="A100", dtype="bf16", head_dim=512, seqlen_q=4096)
+    assert d.forward.backend == "sdpa" and d.fallback
+    assert "head_dim 512 > 256" in d.forward.reasons_of("triton_fa2")
+    d = explain(device="A100", dtype="bf16", head_dim=80, seqlen_q=4096)
+    assert d.forward.reasons_of("triton_fa2") == (
+        "head_dim 80 has no triton_fa2 variant (has 32, 64, 96, 128, 192, 256)",)
+
+
+def test_triton_fa2_on_cpu_only_in_the_interpreter():
+    d = explain(device="cpu", dtype="fp16", head_dim=64, seqlen_q=128, backend="triton_fa2")
+    assert d.forward.backend is None
+    assert "runs on the CPU only in Triton's interpreter" in d.forward.reasons_of("triton_fa2")[0]

@@ -22,6 +22,20 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _load_tile(base, rows, stride, offs_d, N, D: tl.constexpr, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """A (rows, HEAD_DIM) tile; masks only what can be out of bounds (a mask the compiler cannot
+    prove true keeps loads out of cp.async and costs registers)."""
+    ptrs = base + rows[:, None] * stride + offs_d[None, :]
+    if CHECK_ROWS:
+        if D == HEAD_DIM:
+            return tl.load(ptrs, mask=(rows < N)[:, None], other=0.0)
+        return tl.load(ptrs, mask=(rows < N)[:, None] & (offs_d < D)[None, :], other=0.0)
+    if D == HEAD_DIM:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
+
+
+@triton.jit
 def _tile(q, k_tile, v_tile, acc, m_i, l_i, start_n, offs_m, offs_n, N_Q, N_K, qk_scale,
           MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """One K/V tile of the online softmax (base 2). MASKED tiles apply the causal diagonal

@@ -22,6 +22,20 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _load_tile(base, rows, stride, offs_d, N, D: tl.constexpr, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """A (rows, HEAD_DIM) tile; masks only what can be out of bounds (a mask the compiler cannot
+    prove true keeps loads out of cp.async and costs registers)."""
+    ptrs = base + rows[:, None] * stride + offs_d[None, :]
+    if CHECK_ROWS:
+        if D == HEAD_DIM:
+            return tl.load(ptrs, mask=(rows < N)[:, None], other=0.0)
+        return tl.load(ptrs, mask=(rows < N)[:, None] & (offs_d < D)[None, :], other=0.0)
+    if D == HEAD_DIM:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
+
+
+@triton.jit
 def _tile(q, k_tile, v_tile, acc, m_i, l_i, start_n, offs_m, offs_n, N_Q, N_K, qk_scale,
           MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """One K/V tile of the online softmax (base 2). MASKED tiles apply the causal diagonal
@@ -62,10 +76,10 @@ def fwd_kernel(Q, K, V, O, LSE, qk_scale,
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
-    d_ok = (offs_d < D)[None, :]
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=(offs_m < N_Q)[:, None] & d_ok, other=0.0)
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+    q = _load_tile(q_base, offs_m, stride_qm, offs_d, N_Q, D, HEAD_DIM, True)
+    # K/V tile pointers are formed inside the loops from scalar bases: a (BLOCK_N, HEAD_DIM) tensor
+    # of 64-bit pointers kept live across the loop costs 2 registers per element and made every
+    # d=128 tile spill on sm80/sm89 (Triton 3.9 compile checks).
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -79,14 +93,13 @@ def fwd_kernel(Q, K, V, O, LSE, qk_scale,
         end = N_K
         full_end = N_K // BLOCK_N * BLOCK_N
     for start_n in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
-        k_tile = tl.load(k_ptrs + start_n * stride_kn, mask=d_ok, other=0.0)
-        v_tile = tl.load(v_ptrs + start_n * stride_vn, mask=d_ok, other=0.0)
+        k_tile = _load_tile(k_base, start_n + offs_n, stride_kn, offs_d, N_K, D, HEAD_DIM, False)
+        v_tile = _load_tile(v_base, start_n + offs_n, stride_vn, offs_d, N_K, D, HEAD_DIM, False)
         acc, m_i, l_i = _tile(q, k_tile, v_tile, acc, m_i, l_i, start_n, offs_m, offs_n, N_Q, N_K, qk_scale,
                               False, CAUSAL)
     for start_n in tl.range(full_end, end, BLOCK_N):
-        kv_ok = ((start_n + offs_n) < N_K)[:, None] & d_ok
-        k_tile = tl.load(k_ptrs + start_n * stride_kn, mask=kv_ok, other=0.0)
-        v_tile = tl.load(v_ptrs + start_n * stride_vn, mask=kv_ok, other=0.0)
+        k_tile = _load_tile(k_base, start_n + offs_n, stride_kn, offs_d, N_K, D, HEAD_DIM, True)
+        v_tile = _load_tile(v_base, start_n + offs_n, stride_vn, offs_d, N_K, D, HEAD_DIM, True)
         acc, m_i, l_i = _tile(q, k_tile, v_tile, acc, m_i, l_i, start_n, offs_m, offs_n, N_Q, N_K, qk_scale,
                               True, CAUSAL)
     # Rows that saw no key: l = 0, acc = 0 -> output 0 and LSE -inf (FlashAttention's convention).
@@ -96,7 +109,7 @@ def fwd_kernel(Q, K, V, O, LSE, qk_scale,
     tl.store(LSE + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=offs_m < N_Q)
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=(offs_m < N_Q)[:, None] & d_ok)
+             mask=(offs_m < N_Q)[:, None] & (offs_d < D)[None, :])
 
 
 def launch(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
