@@ -147,11 +147,35 @@ def _locked(path: pathlib.Path):
 def _read_entry(entry: pathlib.Path) -> dict | None:
     try:
         meta = json.loads((entry / "meta.json").read_text())
+        json.loads((entry / "triton.json").read_text())
         if (entry / "kernel.cubin").stat().st_size != meta["cubin_bytes"]:
             return None
         return meta
     except (OSError, ValueError, KeyError):
         return None
+
+
+def load_cached(build: KernelBuild, cache_dir: pathlib.Path):
+    """The CompiledKernel for ``build`` from the cache, ready to launch with no compilation, or None
+    when the cache has no whole entry for it (this attnforge, source, Triton version and target)."""
+    entry = pathlib.Path(cache_dir) / fingerprint(build)
+    meta = _read_entry(entry)
+    if meta is None:
+        return None
+    from triton.backends.compiler import GPUTarget  # noqa: F401  (CompiledKernel restores the target)
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import CompiledKernel
+
+    _, fn = _function(build)
+    sig, attrs = signature(fn, build.dtype)
+    pad = 1 << (build.head_dim - 1).bit_length()
+    constexprs = {"HEAD_DIM": pad, "D": build.head_dim}
+    if "CAUSAL" in sig:
+        constexprs["CAUSAL"] = build.causal
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    name = meta["kernel_name"]
+    return CompiledKernel(src, {f"{name}.json": str(entry / "triton.json"), f"{name}.cubin": str(entry / "kernel.cubin")},
+                          meta["key"])
 
 
 def build_cached(build: KernelBuild, cache_dir: pathlib.Path, keep_asm: bool = False) -> tuple[dict, bool]:
@@ -173,6 +197,9 @@ def build_cached(build: KernelBuild, cache_dir: pathlib.Path, keep_asm: bool = F
         if keep_asm:
             (tmp / "kernel.ptx").write_text(ck.asm["ptx"])
             (tmp / "kernel.sass").write_text(sass)
+        # Triton's own metadata, from which triton.compiler.CompiledKernel loads the cubin at run time.
+        triton_json = next(p for name, p in ck.metadata_group.items() if name.endswith(".json"))
+        shutil.copyfile(triton_json, tmp / "triton.json")
         meta = {"build": dataclasses.asdict(build), "key": key, "kernel_name": ck.metadata.name,
                 "shared_bytes": ck.metadata.shared, "cubin_bytes": len(cubin), **res,
                 "instructions": instructions(sass) if sass else None}

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attnforge.backends.triton_fa2.runtime import launch as _launch
+
 BLOCK_M1 = tl.constexpr(64)  # queries per step of the dK/dV loop
 BLOCK_N1 = tl.constexpr(64)  # keys per dK/dV program
 BLOCK_M2 = tl.constexpr(64)  # queries per dQ program
@@ -191,17 +193,18 @@ def launch(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float) -
     group = heads // heads_kv
     pad = triton.next_power_of_2(head_dim)
     delta = torch.empty_like(lse)
-    opts = dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES.value)
-    preprocess_kernel[(triton.cdiv(seqlen_q, 64), batch * heads)](
-        out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-        heads, seqlen_q, HEAD_DIM=pad, D=head_dim, **opts)
+    warps, stages = NUM_WARPS, NUM_STAGES.value
+    _launch(preprocess_kernel, (triton.cdiv(seqlen_q, 64), batch * heads),
+            (out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
+             dout.stride(2), heads, seqlen_q), dict(HEAD_DIM=pad, D=head_dim), warps, stages)
     strides_in = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                   v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     scales = (scale * 1.4426950408889634, scale)
-    dkdv_kernel[(triton.cdiv(seqlen_k, 64), batch * heads_kv)](
-        q, k, v, dout, lse, delta, dk, dv, *scales, *strides_in,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        heads, group, seqlen_q, seqlen_k, HEAD_DIM=pad, D=head_dim, CAUSAL=causal, **opts)
-    dq_kernel[(triton.cdiv(seqlen_q, 64), batch * heads)](
-        q, k, v, dout, lse, delta, dq, *scales, *strides_in, dq.stride(0), dq.stride(1), dq.stride(2),
-        heads, group, seqlen_q, seqlen_k, HEAD_DIM=pad, D=head_dim, CAUSAL=causal, **opts)
+    constexprs = dict(HEAD_DIM=pad, D=head_dim, CAUSAL=causal)
+    _launch(dkdv_kernel, (triton.cdiv(seqlen_k, 64), batch * heads_kv),
+            (q, k, v, dout, lse, delta, dk, dv, *scales, *strides_in,
+             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+             heads, group, seqlen_q, seqlen_k), constexprs, warps, stages)
+    _launch(dq_kernel, (triton.cdiv(seqlen_q, 64), batch * heads),
+            (q, k, v, dout, lse, delta, dq, *scales, *strides_in, dq.stride(0), dq.stride(1), dq.stride(2),
+             heads, group, seqlen_q, seqlen_k), constexprs, warps, stages)

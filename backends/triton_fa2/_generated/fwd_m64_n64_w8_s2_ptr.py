@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attnforge.backends.triton_fa2.runtime import launch as _launch
+
 BLOCK_M = tl.constexpr(64)
 BLOCK_N = tl.constexpr(64)
 NUM_WARPS = 8  # launch option, host side
@@ -116,9 +118,9 @@ def launch(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
     """q, k, v, out: (B, H, N, D) views with unit stride in D; lse: (B, H, N_Q) fp32, contiguous."""
     batch, heads, seqlen_q, head_dim = q.shape
     grid = (triton.cdiv(seqlen_q, 64), batch * heads)
-    fwd_kernel[grid](q, k, v, out, lse, scale * 1.4426950408889634,
-                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                     v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                     batch, heads, heads // k.shape[1], seqlen_q, k.shape[2],
-                     HEAD_DIM=triton.next_power_of_2(head_dim), D=head_dim, CAUSAL=causal,
-                     num_warps=NUM_WARPS, num_stages=NUM_STAGES.value)
+    args = (q, k, v, out, lse, scale * 1.4426950408889634,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            batch, heads, heads // k.shape[1], seqlen_q, k.shape[2])
+    constexprs = dict(HEAD_DIM=triton.next_power_of_2(head_dim), D=head_dim, CAUSAL=causal)
+    _launch(fwd_kernel, grid, args, constexprs, NUM_WARPS, NUM_STAGES.value)

@@ -65,3 +65,16 @@ def test_build_cli(tmp_path, capsys):
     assert len(list(tmp_path.glob("*/kernel.sass"))) == 4
     assert main(["build", "--target", "sm75", "--list"]) == 2
     assert "unknown build target 'sm75'" in capsys.readouterr().err
+
+
+def test_prebuilt_kernels_load_from_the_cache_without_compiling(tmp_path):
+    builds = build.plan(["sm90"], dtypes=("bf16",), head_dims=(64,), causal=(True,))
+    assert build.load_cached(builds[0], tmp_path) is None  # nothing built yet
+    for b in builds:
+        build.build_cached(b, tmp_path)
+    for b in builds:
+        kernel = build.load_cached(b, tmp_path)
+        assert kernel.metadata.name == b.kernel and kernel.metadata.num_warps == b.num_warps
+    other_target = build.KernelBuild(*[getattr(builds[0], f) for f in ("module", "kernel")], "sm80", "bf16", 64, True,
+                                     builds[0].num_warps, builds[0].num_stages)
+    assert build.load_cached(other_target, tmp_path) is None  # keyed by target: no wrong cubin

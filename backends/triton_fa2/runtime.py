@@ -1,0 +1,64 @@
+"""Launching a generated kernel: the prebuilt one from ``attnforge build``'s cache when there is
+one for this kernel, target, dtype and head dim (so the first call compiles nothing), else
+Triton's JIT.
+
+A prebuilt kernel was compiled assuming 16-byte-aligned pointers and 32-bit integer arguments
+(codegen/build.py's signature); a call that breaks either goes to the JIT, which specialises for it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...dispatch.device import detect
+
+_MISSING = object()
+_PREBUILT: dict[tuple, object] = {}  # per process: (kernel, device, dtype, constexprs, warps, stages) -> kernel or None
+_INT32 = 2**31 - 1
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _compatible(args) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.data_ptr() % 16:
+                return False
+        elif isinstance(a, int) and not -_INT32 <= a <= _INT32:
+            return False
+    return True
+
+
+def find_prebuilt(kernel, device: torch.device, dtype: torch.dtype, constexprs: dict, num_warps: int,
+                  num_stages: int, cache_dir=None):
+    """The CompiledKernel ``attnforge build`` left in the cache for this launch, or None."""
+    from ...codegen import build
+
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or dtype not in _DTYPE_NAMES:
+        return None
+    spec = detect(device)
+    if spec.vendor != "nvidia":
+        return None
+    kb = build.KernelBuild(kernel.fn.__module__.rsplit(".", 1)[1], kernel.fn.__name__, spec.arch, _DTYPE_NAMES[dtype],
+                           constexprs["D"], bool(constexprs.get("CAUSAL", False)), num_warps, num_stages)
+    return build.load_cached(kb, cache_dir or build.default_cache_dir())
+
+
+def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> None:
+    """Run ``kernel`` (a generated @triton.jit function whose constexpr parameters come last, in
+    ``constexprs``' order) on ``grid``."""
+    data = args[0]
+    key = (kernel, data.device, data.dtype, tuple(constexprs.items()), num_warps, num_stages)
+    prebuilt = _PREBUILT.get(key, _MISSING)
+    if prebuilt is _MISSING:
+        prebuilt = _PREBUILT[key] = find_prebuilt(kernel, data.device, data.dtype, constexprs, num_warps, num_stages)
+    if prebuilt is not None and _compatible(args):
+        prebuilt[grid](*args, *constexprs.values())
+    else:
+        kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+
+def clear() -> None:
+    """Forget which prebuilt kernels were found (after a new build in this process, or in tests)."""
+    _PREBUILT.clear()
