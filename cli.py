@@ -184,6 +184,20 @@ def _build(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        print("attnforge tune: needs an NVIDIA GPU (it times kernels on it)", file=sys.stderr)
+        return 2
+    from .backends.triton_fa2 import autotune
+    from .dispatch import clear_caches
+
+    doc = autotune.tune(head_dims=args.head_dim, seqlen=args.seqlen, progress=lambda m: print(m, file=sys.stderr))
+    path = autotune.save(doc)
+    clear_caches()
+    print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnforge", description="One attention() call across GPU generations.")
     parser.add_argument("--version", action="version", version=f"attnforge {__version__}")
@@ -224,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list what would be built, build nothing")
     p.add_argument("--keep-asm", action="store_true", help="write PTX and SASS next to each cubin")
     p.set_defaults(run=_build)
+
+    p = sub.add_parser("tune", help="time triton_fa2's rendered tiles on this GPU and keep the fastest (opt-in)")
+    p.add_argument("--head-dim", type=_csv(int), default=(64, 128))
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.set_defaults(run=_tune)
 
     p = sub.add_parser("bench", help="time attnforge beside the attention kernels importable here, same inputs, same run")
     p.add_argument("--quick", action="store_true", help="a small CPU grid (attnforge auto and reference vs SDPA math)")

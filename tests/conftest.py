@@ -18,6 +18,12 @@ def pytest_report_header(config):
     return f"attnforge test seed: {SESSION_SEED} (set ATTNFORGE_TEST_SEED to repeat)"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Builds and tuned winners go to a folder of this session, never the user's cache."""
+    os.environ["ATTNFORGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("attnforge-cache"))
+
+
 @pytest.fixture(autouse=True)
 def _clean_state(monkeypatch):
     """Each test starts unforced and with fresh decisions (so logging tests see first decisions)."""

@@ -83,7 +83,8 @@ class TritonFA2Backend(Backend):
         arch = _arch(problem.device)
         fwd, _ = variants.pick(variants.FWD, arch, problem.head_dim)
         bwd, _ = variants.pick(variants.BWD, arch, problem.head_dim)
-        parts = [t.describe() for t in (fwd, bwd) if t is not None]
+        parts = [t.describe() + (" (tuned)" if t == variants.tuned_tile(family, arch, problem.head_dim) else "")
+                 for family, t in (("fwd", fwd), ("bwd", bwd)) if t is not None]
         return "; ".join(parts) + (" (interpreter)" if problem.device.vendor == "cpu" else "")
 
     def forward(self, q, k, v, *, causal, scale, dropout_p):

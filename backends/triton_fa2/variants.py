@@ -12,6 +12,8 @@ Where the numbers come from (../shared/notes/triton-attention.md, sections 2-3):
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)  # non-powers of two are padded to the next power inside the kernel
 ELEMENT_BYTES = 2  # fp16 / bf16
@@ -157,9 +159,39 @@ BWD: dict[str, dict[int, list[BwdTile]]] = {
 }
 
 
-def pick(table: dict, arch: str, head_dim: int) -> tuple[FwdTile | BwdTile | None, list[str]]:
-    """The first tile of the table's list for (arch, head_dim) that passes check(), with the reasons
-    none did (when none did)."""
+@functools.lru_cache(maxsize=None)
+def _tuned(arch: str) -> dict:
+    """Winners `attnforge tune` persisted for this arch ({} when it never ran here)."""
+    from .autotune import winners_path
+
+    try:
+        return json.loads(winners_path(arch).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def clear_tuned() -> None:
+    _tuned.cache_clear()
+
+
+def tuned_tile(family: str, arch: str, head_dim: int) -> FwdTile | BwdTile | None:
+    params = _tuned(arch).get(family, {}).get(str(head_dim))
+    if not params:
+        return None
+    try:
+        return (FwdTile if family == "fwd" else BwdTile)(**params)
+    except TypeError:  # written by another version of this table
+        return None
+
+
+def pick(table: dict, arch: str, head_dim: int, tuned: bool = True) -> tuple[FwdTile | BwdTile | None, list[str]]:
+    """The tile for (arch, head_dim): a winner `attnforge tune` persisted, if it passes check() and
+    was rendered; else the first tile of the table's list that passes check(), with the reasons none
+    did (when none did)."""
+    if tuned:
+        winner = tuned_tile("fwd" if table is FWD else "bwd", arch, head_dim)
+        if winner is not None and not check(winner, arch, head_dim) and winner.module in _rendered():
+            return winner, []
     if arch not in table:
         return None, [f"no triton_fa2 tiles for {arch} (has {', '.join(table)})"]
     candidates = table[arch].get(head_dim)
@@ -182,13 +214,19 @@ def codegen_targets() -> list[tuple[str, dict, str]]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _rendered() -> frozenset[str]:
+    fwd, bwd = all_tiles()
+    return frozenset(t.module for t in fwd + bwd)
+
+
 def all_tiles() -> tuple[list[FwdTile], list[BwdTile]]:
     """Every tile the heuristic can pick on some arch and head dim: what codegen renders."""
     fwd, bwd = {}, {}
     for table, out in ((FWD, fwd), (BWD, bwd)):
         for arch in table:
             for head_dim in HEAD_DIMS:
-                tile, _ = pick(table, arch, head_dim)
+                tile, _ = pick(table, arch, head_dim, tuned=False)
                 if tile is not None:
                     out[tile.module] = tile
     return sorted(fwd.values(), key=lambda t: t.module), sorted(bwd.values(), key=lambda t: t.module)
