@@ -54,7 +54,7 @@ def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stag
     if prebuilt is _MISSING:
         prebuilt = _PREBUILT[key] = find_prebuilt(kernel, data.device, data.dtype, constexprs, num_warps, num_stages)
     if prebuilt is not None and _compatible(args):
-        prebuilt[grid](*args, *constexprs.values())
+        prebuilt[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # CompiledKernel wants all three grid sides
     else:
         kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
 

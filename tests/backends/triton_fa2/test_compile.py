@@ -2,6 +2,7 @@
 and the machine code shows what the target must use."""
 
 import pytest
+import triton
 
 from attnforge.backends.triton_fa2 import variants
 from attnforge.cli import main
@@ -16,11 +17,13 @@ def cache(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["sm80", "sm89"])
 @pytest.mark.parametrize("head_dim", variants.HEAD_DIMS)
 def test_ampere_ada_kernels_use_tensor_cores_and_do_not_spill(arch, head_dim, cache):
+    """Spills are asserted with the Triton release the tiles were swept with (variants.SPILL_CHECKED_WITH)."""
     for b in build.plan([arch], dtypes=("bf16",), head_dims=(head_dim,), causal=(True,)):
         meta, _ = build.build_cached(b, cache, keep_asm=True)
         if b.kernel != "preprocess_kernel":
             assert any(i.startswith("HMMA.16816") for i in meta["instructions"]), (b.name(), meta["instructions"])
-        assert meta["stack_bytes"] == 0, f"{b.name()} spills {meta['stack_bytes']} B to local memory"
+        if triton.__version__.startswith(variants.SPILL_CHECKED_WITH + "."):  # what CI installs
+            assert meta["stack_bytes"] == 0, f"{b.name()} spills {meta['stack_bytes']} B to local memory"
         assert meta["shared_bytes"] <= variants.SMEM[arch], b.name()
 
 

@@ -6,9 +6,17 @@ import pathlib
 import subprocess
 import sys
 
+import numpy
+import pytest
+import triton
+from packaging.version import Version
+
 HERE = pathlib.Path(__file__).parent
 
 
+@pytest.mark.skipif(Version(triton.__version__) < Version("3.8") and Version(numpy.__version__) >= Version("2.4"),
+                    reason="Triton < 3.8's interpreter fails on range() with a runtime bound under numpy >= 2.4 "
+                           "('only 0-dimensional arrays can be converted'; ../shared/notes/triton-attention.md, section 4)")
 def test_interpreter_suite_passes():
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
