@@ -79,8 +79,8 @@ def _fa2_why_not(device, dtype):
         import flash_attn
     except Exception as exc:
         return f"flash_attn (FlashAttention-2) not importable: {type(exc).__name__}"
-    if not getattr(flash_attn, "__version__", "").startswith("2."):
-        return f"flash_attn {getattr(flash_attn, '__version__', '?')} is not FlashAttention-2"
+    if not hasattr(flash_attn, "flash_attn_func"):  # e.g. only FlashAttention-4's flash_attn.cute is installed
+        return "flash_attn has no flash_attn_func (FlashAttention-2 is not installed)"
     return None
 
 
