@@ -133,7 +133,6 @@ def run(cfg: BenchConfig, progress=print, checkpoint=None) -> dict:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
             results.append(row)
-        del q, k, v, dout, cache
         if checkpoint is not None:
             checkpoint(_report(cfg, env, unavailable, results))
     env["gpu_state_after"] = measure.gpu_state(device)

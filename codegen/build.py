@@ -74,21 +74,25 @@ def signature(fn, dtype: str) -> tuple[dict, dict]:
     return sig, attrs
 
 
+def _source(build: KernelBuild):
+    """Triton's ASTSource for the kernel, specialised as the generated launcher calls it."""
+    from triton.compiler import ASTSource
+
+    _, fn = _function(build)
+    sig, attrs = signature(fn, build.dtype)
+    constexprs = {"HEAD_DIM": 1 << (build.head_dim - 1).bit_length(), "D": build.head_dim}
+    if "CAUSAL" in sig:
+        constexprs["CAUSAL"] = build.causal
+    return ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+
+
 def compile_kernel(build: KernelBuild):
     """triton.compile the kernel for its target; returns the CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # explicit: it is in Triton's cache key
-    _, fn = _function(build)
-    sig, attrs = signature(fn, build.dtype)
-    pad = 1 << (build.head_dim - 1).bit_length()
-    constexprs = {"HEAD_DIM": pad, "D": build.head_dim}
-    if "CAUSAL" in sig:
-        constexprs["CAUSAL"] = build.causal
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", build.capability, 32),
+    return triton.compile(_source(build), target=GPUTarget("cuda", build.capability, 32),
                           options={"num_warps": build.num_warps, "num_stages": build.num_stages})
 
 
@@ -162,19 +166,10 @@ def load_cached(build: KernelBuild, cache_dir: pathlib.Path):
     meta = _read_entry(entry)
     if meta is None:
         return None
-    from triton.backends.compiler import GPUTarget  # noqa: F401  (CompiledKernel restores the target)
-    from triton.compiler import ASTSource
     from triton.compiler.compiler import CompiledKernel
 
-    _, fn = _function(build)
-    sig, attrs = signature(fn, build.dtype)
-    pad = 1 << (build.head_dim - 1).bit_length()
-    constexprs = {"HEAD_DIM": pad, "D": build.head_dim}
-    if "CAUSAL" in sig:
-        constexprs["CAUSAL"] = build.causal
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     name = meta["kernel_name"]
-    return CompiledKernel(src, {f"{name}.json": str(entry / "triton.json"), f"{name}.cubin": str(entry / "kernel.cubin")},
+    return CompiledKernel(_source(build), {f"{name}.json": str(entry / "triton.json"), f"{name}.cubin": str(entry / "kernel.cubin")},
                           meta["key"])
 
 

@@ -32,6 +32,16 @@ def _mask_tile(s: torch.Tensor, start: int, seqlen_q: int, seqlen_k: int) -> tor
     return s.masked_fill(cols > rows + (seqlen_k - seqlen_q), float("-inf"))
 
 
+def _key_tile(qg, k, v, start, block_n, scale, causal, acc_t):
+    """Key/value tile [start, start + block_n) broadcast over the query group, and its (masked) scores."""
+    kb = k[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
+    vb = v[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
+    s = (qg @ kb.transpose(-1, -2)) * scale
+    if causal:
+        s = _mask_tile(s, start, qg.shape[-2], k.shape[2])
+    return kb, vb, s
+
+
 def forward(q, k, v, *, causal: bool, scale: float, block_n: int = BLOCK_N):
     """Returns (out in q's dtype, LSE in fp32 (fp64 for fp64 inputs)). Shapes (B, H, N, D)."""
     acc_t = accumulation_dtype(q.dtype)
@@ -44,11 +54,7 @@ def forward(q, k, v, *, causal: bool, scale: float, block_n: int = BLOCK_N):
     l = torch.zeros_like(m)
     acc = torch.zeros(*qg.shape[:-1], v.shape[-1], dtype=acc_t, device=q.device)
     for start in range(0, seqlen_k, block_n):
-        kb = k[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
-        vb = v[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
-        s = (qg @ kb.transpose(-1, -2)) * scale
-        if causal:
-            s = _mask_tile(s, start, seqlen_q, seqlen_k)
+        _, vb, s = _key_tile(qg, k, v, start, block_n, scale, causal, acc_t)
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: avoid inf - inf
         p = torch.exp(s - m_safe[..., None])
@@ -78,11 +84,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, block_n: in
     lse_g = _grouped(lse, heads_kv, acc_t).masked_fill(lse.unflatten(1, (heads_kv, -1)) == float("-inf"), float("inf"))
     dq = torch.zeros_like(qg)
     for start in range(0, seqlen_k, block_n):
-        kb = k[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
-        vb = v[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
-        s = (qg @ kb.transpose(-1, -2)) * scale
-        if causal:
-            s = _mask_tile(s, start, seqlen_q, seqlen_k)
+        kb, vb, s = _key_tile(qg, k, v, start, block_n, scale, causal, acc_t)
         p = torch.exp(s - lse_g[..., None])
         dv[:, :, start:start + block_n] = (p.transpose(-1, -2) @ dog).sum(2)  # sum over the query-head group
         dp = dog @ vb.transpose(-1, -2)
