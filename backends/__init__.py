@@ -4,7 +4,9 @@ from ..dispatch.registry import register
 from .reference import ReferenceBackend
 from .sdpa import SdpaBackend
 from .triton_fa2 import TritonFA2Backend
+from .triton_rocm import TritonRocmBackend
 
 register(TritonFA2Backend())
+register(TritonRocmBackend())
 register(SdpaBackend())
 register(ReferenceBackend())

@@ -27,7 +27,9 @@ from .._version import __version__
 FP32_POINTERS = {"LSE", "DELTA"}
 TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16"}
 # Instructions that show a kernel uses what its target offers (../shared/notes/triton-attention.md, section 5).
-MARKERS = r"\b(HMMA\.\w+|HGMMA\.\w+|UTMALDG\.\w+|LDGSTS|UTCHMMA\w*|QGMMA\.\w+)"
+MARKERS = r"\b(HMMA\.\w+|HGMMA\.\w+|UTMALDG\.\w+|LDGSTS|UTCHMMA\w*|QGMMA\.\w+|v_mfma\w+)"
+FA2_PACKAGE = "attnforge.backends.triton_fa2._generated"
+ROCM_PACKAGE = "attnforge.backends.triton_rocm._generated"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +44,19 @@ class KernelBuild:
     causal: bool
     num_warps: int
     num_stages: int
+    package: str = FA2_PACKAGE  # where the generated module lives
+    options: tuple = ()  # further compile options, (name, value) pairs (AMD: waves_per_eu, ...)
 
     @property
-    def capability(self) -> int:
-        return int(self.arch.removeprefix("sm"))
+    def amd(self) -> bool:
+        return self.arch.startswith("gfx")
+
+    def target(self):
+        from triton.backends.compiler import GPUTarget
+
+        if self.amd:
+            return GPUTarget("hip", self.arch, 64)
+        return GPUTarget("cuda", int(self.arch.removeprefix("sm")), 32)
 
     def name(self) -> str:
         return (f"{self.module}.{self.kernel}.{self.arch}.{self.dtype}.d{self.head_dim}."
@@ -53,7 +64,7 @@ class KernelBuild:
 
 
 def _function(build: KernelBuild):
-    module = importlib.import_module(f"attnforge.backends.triton_fa2._generated.{build.module}")
+    module = importlib.import_module(f"{build.package}.{build.module}")
     return module, getattr(module, build.kernel)
 
 
@@ -89,11 +100,10 @@ def _source(build: KernelBuild):
 def compile_kernel(build: KernelBuild):
     """triton.compile the kernel for its target; returns the CompiledKernel."""
     import triton
-    from triton.backends.compiler import GPUTarget
 
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # explicit: it is in Triton's cache key
-    return triton.compile(_source(build), target=GPUTarget("cuda", build.capability, 32),
-                          options={"num_warps": build.num_warps, "num_stages": build.num_stages})
+    return triton.compile(_source(build), target=build.target(),
+                          options={"num_warps": build.num_warps, "num_stages": build.num_stages, **dict(build.options)})
 
 
 def _nvidia_tool(name: str) -> str:
@@ -114,9 +124,18 @@ def resources(cubin: bytes) -> dict:
             "local_bytes": int(fields.get("LOCAL", 0))}
 
 
-def instructions(sass: str) -> list[str]:
-    """The tensor-core and TMA instructions a kernel's SASS uses."""
-    return sorted(set(re.findall(MARKERS, sass)))
+def amd_resources(amdgcn: str) -> dict:
+    """VGPRs, scratch (spill) bytes and spilled VGPRs from a kernel's AMDGCN listing."""
+    def first(pattern):
+        found = re.findall(pattern, amdgcn)
+        return int(found[0]) if found else 0
+    return {"registers": first(r"\.vgpr_count:\s*(\d+)"), "stack_bytes": first(r"; ScratchSize: (\d+)"),
+            "local_bytes": 0, "vgpr_spills": first(r"\.vgpr_spill_count:\s*(\d+)")}
+
+
+def instructions(asm: str) -> list[str]:
+    """The matrix-core and TMA instructions a kernel's SASS or AMDGCN uses."""
+    return sorted(set(re.findall(MARKERS, asm)))
 
 
 def fingerprint(build: KernelBuild) -> str:
@@ -127,7 +146,7 @@ def fingerprint(build: KernelBuild) -> str:
     source = pathlib.Path(module.__file__).read_bytes()
     h = hashlib.sha256()
     for part in (__version__, triton.__version__, os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"), build.name(),
-                 str(build.num_warps), str(build.num_stages)):
+                 str(build.num_warps), str(build.num_stages), build.package, repr(build.options)):
         h.update(part.encode() + b"\0")
     h.update(source)
     return h.hexdigest()[:32]
@@ -152,7 +171,7 @@ def _read_entry(entry: pathlib.Path) -> dict | None:
     try:
         meta = json.loads((entry / "meta.json").read_text())
         json.loads((entry / "triton.json").read_text())
-        if (entry / "kernel.cubin").stat().st_size != meta["cubin_bytes"]:
+        if (entry / meta["binary"]).stat().st_size != meta["binary_bytes"]:
             return None
         return meta
     except (OSError, ValueError, KeyError):
@@ -168,9 +187,9 @@ def load_cached(build: KernelBuild, cache_dir: pathlib.Path):
         return None
     from triton.compiler.compiler import CompiledKernel
 
-    name = meta["kernel_name"]
-    return CompiledKernel(_source(build), {f"{name}.json": str(entry / "triton.json"), f"{name}.cubin": str(entry / "kernel.cubin")},
-                          meta["key"])
+    name, binary = meta["kernel_name"], meta["binary"]
+    return CompiledKernel(_source(build), {f"{name}.json": str(entry / "triton.json"),
+                                           f"{name}{pathlib.Path(binary).suffix}": str(entry / binary)}, meta["key"])
 
 
 def build_cached(build: KernelBuild, cache_dir: pathlib.Path, keep_asm: bool = False) -> tuple[dict, bool]:
@@ -179,45 +198,52 @@ def build_cached(build: KernelBuild, cache_dir: pathlib.Path, keep_asm: bool = F
     entry = cache_dir / key
     with _locked(cache_dir / "locks" / f"{key}.lock"):
         meta = _read_entry(entry)
-        if meta is not None and (not keep_asm or (entry / "kernel.sass").exists()):
+        if meta is not None and (not keep_asm or meta.get("asm")):
             return meta, False
         if entry.exists():  # corrupt or partial: rebuild from scratch
             shutil.rmtree(entry)
         ck = compile_kernel(build)
         tmp = pathlib.Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}."))
-        cubin = ck.asm["cubin"]
-        (tmp / "kernel.cubin").write_bytes(cubin)
-        res = resources(cubin)
-        sass = ck.asm["sass"] if keep_asm else None
-        if keep_asm:
-            (tmp / "kernel.ptx").write_text(ck.asm["ptx"])
-            (tmp / "kernel.sass").write_text(sass)
+        binary_kind = "hsaco" if build.amd else "cubin"
+        binary = ck.asm[binary_kind]
+        (tmp / f"kernel.{binary_kind}").write_bytes(binary)
+        if build.amd:  # the AMDGCN listing is small and holds the resource counts: always kept
+            asm = {"kernel.amdgcn": ck.asm["amdgcn"]}
+            res = amd_resources(asm["kernel.amdgcn"])
+        else:
+            res = resources(binary)
+            asm = {"kernel.ptx": ck.asm["ptx"], "kernel.sass": ck.asm["sass"]} if keep_asm else {}
+        for name, text in asm.items():
+            (tmp / name).write_text(text)
+        listing = next(iter(asm.values()), None) if build.amd else asm.get("kernel.sass")
         # Triton's own metadata, from which triton.compiler.CompiledKernel loads the cubin at run time.
         triton_json = next(p for name, p in ck.metadata_group.items() if name.endswith(".json"))
         shutil.copyfile(triton_json, tmp / "triton.json")
         meta = {"build": dataclasses.asdict(build), "key": key, "kernel_name": ck.metadata.name,
-                "shared_bytes": ck.metadata.shared, "cubin_bytes": len(cubin), **res,
-                "instructions": instructions(sass) if sass else None}
+                "shared_bytes": ck.metadata.shared, "binary": f"kernel.{binary_kind}", "binary_bytes": len(binary),
+                **res, "asm": sorted(asm), "instructions": instructions(listing) if listing else None}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         tmp.rename(entry)  # atomic: a reader sees no entry or a whole one
         return meta, True
 
 
-BUILD_TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120")
+BUILD_TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "gfx90a", "gfx942", "gfx950")
 
 
 def plan(targets, dtypes=("fp16", "bf16"), head_dims=None, causal=(False, True)) -> list[KernelBuild]:
-    """Every kernel triton_fa2 launches for these targets, dtypes, head dims and causal flags, from
-    the variant table's picks (what the dispatcher would run)."""
+    """Every kernel triton_fa2 (NVIDIA targets) or triton_rocm (gfx targets) launches for these
+    targets, dtypes, head dims and causal flags, from the variant tables' picks (what runs)."""
     from ..backends.triton_fa2 import variants
+    from ..backends.triton_rocm import variants as rocm
 
     builds = {}
     for arch in targets:
         if arch not in BUILD_TARGETS:
             raise ValueError(f"unknown build target {arch!r}; targets: {', '.join(BUILD_TARGETS)}")
+        table, package = (rocm, ROCM_PACKAGE) if arch.startswith("gfx") else (variants, FA2_PACKAGE)
         for head_dim in head_dims or variants.HEAD_DIMS:
-            fwd, fwd_why = variants.pick(variants.FWD, arch, head_dim)
-            bwd, bwd_why = variants.pick(variants.BWD, arch, head_dim)
+            fwd, fwd_why = variants.pick(table.FWD, arch, head_dim)
+            bwd, bwd_why = variants.pick(table.BWD, arch, head_dim)
             if fwd is None or bwd is None:
                 raise ValueError(f"{arch} d={head_dim}: " + "; ".join(fwd_why + bwd_why))
             for dtype in dtypes:
@@ -225,7 +251,9 @@ def plan(targets, dtypes=("fp16", "bf16"), head_dims=None, causal=(False, True))
                     for tile, kernel in ((fwd, "fwd_kernel"), (bwd, "dkdv_kernel"), (bwd, "dq_kernel"),
                                          (bwd, "preprocess_kernel")):
                         flag = is_causal if kernel != "preprocess_kernel" else False  # it has no causal variant
-                        b = KernelBuild(tile.module, kernel, arch, dtype, head_dim, flag, tile.num_warps, tile.num_stages)
+                        options = tuple(sorted(tile.params().get("launch_options", {}).items()))
+                        b = KernelBuild(tile.module, kernel, arch, dtype, head_dim, flag, tile.num_warps,
+                                        tile.num_stages, package, options)
                         builds[b] = None
     return list(builds)
 
@@ -241,7 +269,7 @@ def run(builds: list[KernelBuild], cache_dir: pathlib.Path, keep_asm: bool = Fal
         what = f"built in {time.perf_counter() - t0:.1f}s" if built else "cached"
         spill = f", SPILLS {meta['stack_bytes']} B" if meta["stack_bytes"] else ""
         insns = f", {' '.join(meta['instructions'])}" if meta.get("instructions") else ""
-        progress(f"[{i}/{len(builds)}] {b.name()}: {what} ({meta['registers']} registers, "
+        progress(f"[{i}/{len(builds)}] {b.name()}: {what} ({meta['registers']} {'VGPRs' if b.amd else 'registers'}, "
                  f"{meta['shared_bytes'] // 1024} KiB shared{spill}{insns})")
         results.append(meta)
     return results

@@ -19,7 +19,8 @@ def render(template: str, **params) -> str:
     """``template`` rendered with ``params``, under a header naming both. Deterministic: the same
     template and parameters give the same bytes (parameters are listed sorted)."""
     env = environment()
-    header = env.get_template("header.jinja").render(template=template, params=sorted(params.items()))
+    listed = [(k, dict(sorted(v.items())) if isinstance(v, dict) else v) for k, v in sorted(params.items())]
+    header = env.get_template("header.jinja").render(template=template, params=listed)
     if template == "header.jinja":
         return header
     return header + "\n" + env.get_template(template).render(**params)

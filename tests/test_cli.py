@@ -17,8 +17,8 @@ def test_explain_h100_fp32_shows_fallback(capsys):
     assert "triton_fa2  rejected  dtype fp32 is not supported; supports bf16, fp16" in out
 
 
-@pytest.mark.parametrize(("device", "arch", "backend"), [("cpu", "cpu", "sdpa"), ("MI300X", "gfx942", "sdpa"),
-                                                       ("B200", "sm100", "triton_fa2")])
+@pytest.mark.parametrize(("device", "arch", "backend"), [("cpu", "cpu", "sdpa"), ("MI300X", "gfx942", "triton_rocm"),
+                                                       ("B200", "sm100", "triton_fa2"), ("RX7900XTX", "gfx1100", "sdpa")])
 def test_explain_json(capsys, device, arch, backend):
     assert main(["explain", "--device", device, "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "8192",
                  "--causal", "--needs-grad", "--json"]) == 0
@@ -44,3 +44,11 @@ def test_demo_and_module_entry_point():
     assert "error against fp64 math" in run.stdout
     for profile in ("A100", "H100", "B200", "MI300X", "cpu"):
         assert f"\n  {profile} " in run.stdout
+
+
+def test_explain_mi300x_chooses_triton_rocm_with_amd_parameters(capsys):
+    assert main(["explain", "--device", "MI300X", "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "8192",
+                 "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert "forward : triton_rocm  [fwd 64x64 w4 s1 pointer waves_per_eu=2 mfma=16; bwd dkdv 128x32" in out
+    assert "fallback" not in out

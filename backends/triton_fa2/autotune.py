@@ -98,7 +98,7 @@ def save(doc: dict, cache_dir=None) -> pathlib.Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1))
     variants.clear_tuned()
-    from .backend import _module
+    from ...dispatch.registry import get
 
-    _module.cache_clear()  # the kernel modules picked per (arch, head dim) may have changed
+    get("triton_fa2").forget_modules()  # the kernel modules picked per (arch, head dim) may have changed
     return path

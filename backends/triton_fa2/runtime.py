@@ -45,18 +45,20 @@ def find_prebuilt(kernel, device: torch.device, dtype: torch.dtype, constexprs: 
     return build.load_cached(kb, cache_dir or build.default_cache_dir())
 
 
-def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stages: int) -> None:
+def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stages: int, **options) -> None:
     """Run ``kernel`` (a generated @triton.jit function whose constexpr parameters come last, in
-    ``constexprs``' order) on ``grid``."""
+    ``constexprs``' order) on ``grid``. ``options``: further compile options (AMD's waves_per_eu,
+    matrix_instr_nonkdim); kernels with options always go through the JIT."""
     data = args[0]
     key = (kernel, data.device, data.dtype, tuple(constexprs.items()), num_warps, num_stages)
     prebuilt = _PREBUILT.get(key, _MISSING)
     if prebuilt is _MISSING:
-        prebuilt = _PREBUILT[key] = find_prebuilt(kernel, data.device, data.dtype, constexprs, num_warps, num_stages)
+        prebuilt = _PREBUILT[key] = None if options else find_prebuilt(kernel, data.device, data.dtype, constexprs,
+                                                                       num_warps, num_stages)
     if prebuilt is not None and _compatible(args):
         prebuilt[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # CompiledKernel wants all three grid sides
     else:
-        kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options)
 
 
 def clear() -> None:

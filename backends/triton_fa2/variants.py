@@ -25,8 +25,20 @@ ELEMENT_BYTES = 2  # fp16 / bf16
 REGISTERS_PER_THREAD = 255
 LAYOUT_SCRATCH = 8 * 1024
 
-# Opt-in shared memory per block (bytes) of the archs triton_fa2 has tables for.
-SMEM = {"sm80": 166912, "sm86": 101376, "sm89": 101376, "sm90": 232448, "sm100": 232448, "sm120": 101376}
+# Opt-in shared memory per block (bytes) of the archs the Triton backends have tables for; on AMD the
+# LDS per workgroup (64 KiB on CDNA2/3, 160 KiB on CDNA4; ../shared/notes/triton-attention.md, section 3).
+SMEM = {"sm80": 166912, "sm86": 101376, "sm89": 101376, "sm90": 232448, "sm100": 232448, "sm120": 101376,
+        "gfx90a": 65536, "gfx942": 65536, "gfx950": 163840}
+NO_TMA = ("sm80", "sm86", "sm89", "gfx90a", "gfx942", "gfx950")
+
+
+def warp_size(arch: str) -> int:
+    return 64 if arch.startswith("gfx") else 32  # CDNA wavefronts are 64 lanes
+
+
+def register_budget(arch: str) -> int:
+    # NVIDIA: 255 per thread. CDNA2/3: 256 arch VGPRs + 256 AccVGPRs per lane (512) at occupancy 1.
+    return 512 if arch.startswith("gfx") else REGISTERS_PER_THREAD
 
 
 def padded(head_dim: int) -> int:
@@ -49,13 +61,15 @@ class FwdTile:
     def params(self) -> dict:
         return dataclasses.asdict(self)
 
-    def smem_bytes(self, head_dim: int) -> int:
+    def smem_bytes(self, head_dim: int, arch: str = "sm80") -> int:
         d = padded(head_dim)
+        if arch.startswith("gfx"):  # AMD, Triton 3.9: one K tile per stage in LDS (64x64 s1 at d=128: 16 KiB)
+            return ELEMENT_BYTES * d * self.block_n * self.num_stages
         return ELEMENT_BYTES * (self.block_m * d + max(self.num_stages - 1, 1) * 2 * self.block_n * d) + LAYOUT_SCRATCH
 
-    def registers(self, head_dim: int) -> int:
+    def registers(self, head_dim: int, lanes: int = 32) -> int:
         d = padded(head_dim)  # fp32 accumulator + 16-bit q (two per register) + fp32 scores
-        return (self.block_m * d + self.block_m * d // 2 + self.block_m * self.block_n) // (32 * self.num_warps)
+        return (self.block_m * d + self.block_m * d // 2 + self.block_m * self.block_n) // (lanes * self.num_warps)
 
     def describe(self) -> str:
         return f"fwd {self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages} {self.loads}"
@@ -78,17 +92,19 @@ class BwdTile:
     def params(self) -> dict:
         return dataclasses.asdict(self)
 
-    def smem_bytes(self, head_dim: int) -> int:
+    def smem_bytes(self, head_dim: int, arch: str = "sm80") -> int:
         d, stages = padded(head_dim), max(self.num_stages - 1, 1)
+        if arch.startswith("gfx"):  # AMD, Triton 3.9: the larger resident tile per stage (gfx942 measurements)
+            return ELEMENT_BYTES * d * max(self.block_n1, self.block_m2) * self.num_stages
         dkdv = self.block_n1 * d * 2 + stages * 2 * self.block_m1 * d  # k, v resident; q, dO streamed
         dq = self.block_m2 * d * 2 + stages * 2 * self.block_n2 * d  # q, dO resident; k, v streamed
         return ELEMENT_BYTES * max(dkdv, dq) + LAYOUT_SCRATCH
 
-    def registers(self, head_dim: int) -> int:
+    def registers(self, head_dim: int, lanes: int = 32) -> int:
         d = padded(head_dim)  # dK/dV: two fp32 accumulators + k, v + P/dS; dQ: one accumulator + q, dO + P/dS
         dkdv = 2 * self.block_n1 * d + self.block_n1 * d + self.block_n1 * self.block_m1
         dq = self.block_m2 * d + self.block_m2 * d + self.block_m2 * self.block_n2
-        return max(dkdv, dq) // (32 * self.num_warps)
+        return max(dkdv, dq) // (lanes * self.num_warps)
 
     def describe(self) -> str:
         return (f"bwd dkdv {self.block_n1}x{self.block_m1} dq {self.block_m2}x{self.block_n2} "
@@ -104,14 +120,15 @@ def check(tile: FwdTile | BwdTile, arch: str, head_dim: int) -> list[str]:
         reasons.append(f"{tile.describe()}: tile sides must be powers of two >= 16 (tensor-core shapes)")
     if arch not in SMEM:
         reasons.append(f"no shared-memory figure for {arch}")
-    elif tile.smem_bytes(head_dim) > SMEM[arch]:
-        reasons.append(f"{tile.describe()} at head_dim {head_dim} needs ~{tile.smem_bytes(head_dim) // 1024} KiB of "
+    elif tile.smem_bytes(head_dim, arch) > SMEM[arch]:
+        reasons.append(f"{tile.describe()} at head_dim {head_dim} needs ~{tile.smem_bytes(head_dim, arch) // 1024} KiB of "
                        f"shared memory, {arch} has {SMEM[arch] // 1024} KiB")
-    if tile.registers(head_dim) > REGISTERS_PER_THREAD:
-        reasons.append(f"{tile.describe()} at head_dim {head_dim} needs ~{tile.registers(head_dim)} registers per "
-                       f"thread for its tiles (budget {REGISTERS_PER_THREAD})")
-    if isinstance(tile, FwdTile) and tile.loads == "descriptor" and arch in ("sm80", "sm86", "sm89"):
-        reasons.append("descriptor loads need TMA (sm90+)")
+    registers, budget = tile.registers(head_dim, warp_size(arch)), register_budget(arch)
+    if registers > budget:
+        reasons.append(f"{tile.describe()} at head_dim {head_dim} needs ~{registers} registers per "
+                       f"thread for its tiles (budget {budget})")
+    if isinstance(tile, FwdTile) and tile.loads == "descriptor" and arch in NO_TMA:
+        reasons.append("descriptor loads need TMA (NVIDIA sm90+)")
     return reasons
 
 
@@ -187,19 +204,20 @@ def tuned_tile(family: str, arch: str, head_dim: int) -> FwdTile | BwdTile | Non
         return None
 
 
-def pick(table: dict, arch: str, head_dim: int, tuned: bool = True) -> tuple[FwdTile | BwdTile | None, list[str]]:
-    """The tile for (arch, head_dim): a winner `attnforge tune` persisted, if it passes check() and
-    was rendered; else the first tile of the table's list that passes check(), with the reasons none
-    did (when none did)."""
-    if tuned:
+def pick(table: dict, arch: str, head_dim: int, tuned: bool = True,
+         backend: str = "triton_fa2") -> tuple[FwdTile | BwdTile | None, list[str]]:
+    """The tile for (arch, head_dim): a winner `attnforge tune` persisted (triton_fa2's tables), if it
+    passes check() and was rendered; else the first tile of the table's list that passes check(),
+    with the reasons none did (when none did)."""
+    if tuned and (table is FWD or table is BWD):
         winner = tuned_tile("fwd" if table is FWD else "bwd", arch, head_dim)
         if winner is not None and not check(winner, arch, head_dim) and winner.module in _rendered():
             return winner, []
     if arch not in table:
-        return None, [f"no triton_fa2 tiles for {arch} (has {', '.join(table)})"]
+        return None, [f"no {backend} tiles for {arch} (has {', '.join(table)})"]
     candidates = table[arch].get(head_dim)
     if not candidates:
-        return None, [f"head_dim {head_dim} has no triton_fa2 variant (has {', '.join(map(str, HEAD_DIMS))})"]
+        return None, [f"head_dim {head_dim} has no {backend} variant (has {', '.join(map(str, HEAD_DIMS))})"]
     reasons = []
     for tile in candidates:
         why = check(tile, arch, head_dim)
@@ -223,13 +241,17 @@ def _rendered() -> frozenset[str]:
     return frozenset(t.module for t in fwd + bwd)
 
 
+def tiles_of(table: dict) -> list:
+    """Every tile a table's heuristic can pick on some arch and head dim, sorted by module name."""
+    out = {}
+    for arch in table:
+        for head_dim in HEAD_DIMS:
+            tile, _ = pick(table, arch, head_dim, tuned=False)
+            if tile is not None:
+                out[tile.module] = tile
+    return sorted(out.values(), key=lambda t: t.module)
+
+
 def all_tiles() -> tuple[list[FwdTile], list[BwdTile]]:
-    """Every tile the heuristic can pick on some arch and head dim: what codegen renders."""
-    fwd, bwd = {}, {}
-    for table, out in ((FWD, fwd), (BWD, bwd)):
-        for arch in table:
-            for head_dim in HEAD_DIMS:
-                tile, _ = pick(table, arch, head_dim, tuned=False)
-                if tile is not None:
-                    out[tile.module] = tile
-    return sorted(fwd.values(), key=lambda t: t.module), sorted(bwd.values(), key=lambda t: t.module)
+    """Every tile triton_fa2's heuristic can pick: what codegen renders."""
+    return tiles_of(FWD), tiles_of(BWD)

@@ -161,3 +161,18 @@ def test_triton_fa2_on_cpu_only_in_the_interpreter():
     d = explain(device="cpu", dtype="fp16", head_dim=64, seqlen_q=128, backend="triton_fa2")
     assert d.forward.backend is None
     assert "runs on the CPU only in Triton's interpreter" in d.forward.reasons_of("triton_fa2")[0]
+
+
+@pytest.mark.parametrize(("device", "arch"), [("MI250X", "gfx90a"), ("MI300X", "gfx942"), ("MI355X", "gfx950")])
+def test_cdna_gets_triton_rocm(device, arch):
+    d = explain(device=device, dtype="bf16", head_dim=128, seqlen_q=8192, causal=True, needs_grad=True)
+    assert d.forward.backend == "triton_rocm" and d.backward.backend == "triton_rocm" and not d.fallback
+    assert "waves_per_eu=" in d.forward.variant and "mfma=" in d.forward.variant
+
+
+def test_rdna_and_fp8_fall_back_from_triton_rocm_with_reasons():
+    d = explain(device="RX7900XTX", dtype="bf16", head_dim=128, seqlen_q=4096)
+    assert d.forward.backend == "sdpa" and d.fallback
+    assert d.forward.reasons_of("triton_rocm") == ("arch gfx1100 is not served; serves cpu, gfx90a, gfx942, gfx950",)
+    d = explain(device="MI300X", dtype="fp8", head_dim=128, seqlen_q=4096)
+    assert "dtype fp8 is not supported; supports bf16, fp16" in d.forward.reasons_of("triton_rocm")

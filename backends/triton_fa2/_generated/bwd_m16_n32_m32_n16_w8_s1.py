@@ -22,6 +22,7 @@ BLOCK_M2 = tl.constexpr(32)  # queries per dQ program
 BLOCK_N2 = tl.constexpr(16)  # keys per step of the dQ loop
 NUM_WARPS = 8  # launch option, host side
 NUM_STAGES = tl.constexpr(1)  # software-pipelining depth of the main loops
+LAUNCH_OPTIONS = {}  # further compile options (AMD: waves_per_eu, matrix_instr_nonkdim)
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -196,7 +197,7 @@ def launch(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float) -
     warps, stages = NUM_WARPS, NUM_STAGES.value
     _launch(preprocess_kernel, (triton.cdiv(seqlen_q, 32), batch * heads),
             (out, dout, delta, out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
-             dout.stride(2), heads, seqlen_q), dict(HEAD_DIM=pad, D=head_dim), warps, stages)
+             dout.stride(2), heads, seqlen_q), dict(HEAD_DIM=pad, D=head_dim), warps, stages, **LAUNCH_OPTIONS)
     strides_in = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                   v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
     scales = (scale * 1.4426950408889634, scale)
@@ -204,7 +205,7 @@ def launch(q, k, v, out, lse, dout, dq, dk, dv, *, causal: bool, scale: float) -
     _launch(dkdv_kernel, (triton.cdiv(seqlen_k, 32), batch * heads_kv),
             (q, k, v, dout, lse, delta, dk, dv, *scales, *strides_in,
              dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-             heads, group, seqlen_q, seqlen_k), constexprs, warps, stages)
+             heads, group, seqlen_q, seqlen_k), constexprs, warps, stages, **LAUNCH_OPTIONS)
     _launch(dq_kernel, (triton.cdiv(seqlen_q, 32), batch * heads),
             (q, k, v, dout, lse, delta, dq, *scales, *strides_in, dq.stride(0), dq.stride(1), dq.stride(2),
-             heads, group, seqlen_q, seqlen_k), constexprs, warps, stages)
+             heads, group, seqlen_q, seqlen_k), constexprs, warps, stages, **LAUNCH_OPTIONS)

@@ -20,6 +20,7 @@ BLOCK_N = tl.constexpr(32)
 NUM_WARPS = 8  # launch option, host side
 NUM_STAGES = tl.constexpr(1)  # software-pipelining depth of the main loops
 LOADS = "pointer"
+LAUNCH_OPTIONS = {}  # further compile options (AMD: waves_per_eu, matrix_instr_nonkdim)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
@@ -123,4 +124,4 @@ def launch(q, k, v, out, lse, *, causal: bool, scale: float) -> None:
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
             batch, heads, heads // k.shape[1], seqlen_q, k.shape[2])
     constexprs = dict(HEAD_DIM=triton.next_power_of_2(head_dim), D=head_dim, CAUSAL=causal)
-    _launch(fwd_kernel, grid, args, constexprs, NUM_WARPS, NUM_STAGES.value)
+    _launch(fwd_kernel, grid, args, constexprs, NUM_WARPS, NUM_STAGES.value, **LAUNCH_OPTIONS)

@@ -47,7 +47,7 @@ def test_cache_hits_and_rebuilds_corrupt_entries(tmp_path):
     assert not built and again == meta
     (tmp_path / meta["key"] / "kernel.cubin").write_bytes(b"torn write")
     rebuilt, built = build.build_cached(b, tmp_path)
-    assert built and rebuilt["cubin_bytes"] == meta["cubin_bytes"]
+    assert built and rebuilt["binary_bytes"] == meta["binary_bytes"]
     with_asm, built = build.build_cached(b, tmp_path, keep_asm=True)  # asm asked later: rebuilt with it
     assert built and (tmp_path / meta["key"] / "kernel.sass").read_text().count("HMMA") > 0
 

@@ -18,13 +18,24 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 from attnforge import attention, explain, use_backend  # noqa: E402
 from attnforge.backends.triton_fa2 import variants  # noqa: E402
+from attnforge.backends.triton_rocm import variants as rocm_variants  # noqa: E402
 from attnforge.testing import assert_close, oracle, peer_error  # noqa: E402
 
-FWD_TILES, BWD_TILES = variants.all_tiles()
+# Every rendered module of both Triton backends (triton_rocm's are triton_fa2's kernels with AMD
+# tiles and compile options, which the interpreter ignores; the tiles still change the loops).
+PACKAGES = {variants: "attnforge.backends.triton_fa2._generated",
+            rocm_variants: "attnforge.backends.triton_rocm._generated"}
+FWD_TILES = [(PACKAGES[m], t) for m in PACKAGES for t in m.all_tiles()[0]]
+BWD_TILES = [(PACKAGES[m], t) for m in PACKAGES for t in m.all_tiles()[1]]
 
 
-def module(tile):
-    return importlib.import_module(f"attnforge.backends.triton_fa2._generated.{tile.module}")
+def module(entry):
+    package, tile = entry
+    return importlib.import_module(f"{package}.{tile.module}")
+
+
+def tile_id(entry):
+    return f"{entry[0].split('.')[2]}.{entry[1].module}"
 
 
 def inputs(gen, b, hq, hkv, nq, nk, d, dtype, layout="bhsd"):
@@ -39,7 +50,7 @@ def inputs(gen, b, hq, hkv, nq, nk, d, dtype, layout="bhsd"):
 CASES = [(2, 1, 113, 67, 64, True), (4, 2, 17, 130, 96, True), (2, 2, 1, 1, 32, False), (3, 1, 129, 129, 64, False)]
 
 
-@pytest.mark.parametrize("tile", FWD_TILES, ids=lambda t: t.module)
+@pytest.mark.parametrize("tile", FWD_TILES, ids=tile_id)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 def test_forward_fp32_every_tile(tile, case, gen):
     """fp32 in the interpreter is exact math: the kernel's online softmax must match fp64 closely."""
@@ -55,7 +66,7 @@ def test_forward_fp32_every_tile(tile, case, gen):
     assert_close("lse", lse, ref_lse, ref_lse.float(), ulps=ulps)
 
 
-@pytest.mark.parametrize("tile", BWD_TILES, ids=lambda t: t.module)
+@pytest.mark.parametrize("tile", BWD_TILES, ids=tile_id)
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: "x".join(map(str, c)))
 def test_backward_fp32_every_tile(tile, case, gen):
     hq, hkv, nq, nk, d, causal = case
@@ -70,15 +81,16 @@ def test_backward_fp32_every_tile(tile, case, gen):
         assert_close(name, g, r, p, ulps=ulps)
 
 
+@pytest.mark.parametrize("backend", ["triton_fa2", "triton_rocm"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
-def test_attention_fp16_forward_and_backward(case, gen):
-    """The public call, forced to triton_fa2 on CPU tensors: fp16 against fp64, within 2x PyTorch's own fp16 error."""
+def test_attention_fp16_forward_and_backward(backend, case, gen):
+    """The public call, forced to a Triton backend on CPU tensors: fp16 against fp64, within 2x PyTorch's own fp16 error."""
     hq, hkv, nq, nk, d, causal = case
     q, k, v = (t.requires_grad_() for t in inputs(gen, 2, hq, hkv, nq, nk, d, torch.float16, layout="bshd"))
     args = [t.transpose(1, 2) for t in (q, k, v)]
-    decision = explain(*args, layout="bshd", causal=causal, needs_grad=True, backend="triton_fa2")
-    assert decision.forward.backend == "triton_fa2" and decision.backward.backend == "triton_fa2"
-    with use_backend("triton_fa2"):
+    decision = explain(*args, layout="bshd", causal=causal, needs_grad=True, backend=backend)
+    assert decision.forward.backend == backend and decision.backward.backend == backend
+    with use_backend(backend):
         out, lse = attention(*args, causal=causal, layout="bshd", return_lse=True)
     out = out.transpose(1, 2)
     dout = torch.randn(out.shape, generator=gen).to(torch.float16)

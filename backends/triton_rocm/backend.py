@@ -1,0 +1,24 @@
+"""FA2-style Triton attention for AMD CDNA (gfx90a, gfx942, gfx950): triton_fa2's kernels with
+AMD tiles and compile options (variants.py), rendered from templates/triton_rocm_*.py.jinja."""
+
+from __future__ import annotations
+
+from ...dispatch.support import Support
+from ..triton_fa2.backend import TritonFA2Backend
+from . import variants
+
+
+class TritonRocmBackend(TritonFA2Backend):
+    name = "triton_rocm"
+    summary = "FA2-style Triton kernels tuned for AMD CDNA (compiled and interpreter-tested, not run on AMD hardware)"
+    variants = variants
+    generated = f"{__package__}._generated"
+    interpreter_arch = "gfx942"
+    support = Support(
+        vendors=frozenset({"amd", "cpu"}),
+        archs=frozenset(variants.FWD) | {"cpu"},  # CDNA only: RDNA (gfx11xx) has no MFMA
+        dtypes=frozenset({"fp16", "bf16"}),  # fp8 (e4m3fnuz on gfx942) not implemented yet
+        max_head_dim=max(variants.HEAD_DIMS),
+        dropout=False,
+        empty=False,
+    )

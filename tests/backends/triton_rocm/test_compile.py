@@ -1,0 +1,45 @@
+"""triton_rocm's kernels compile for gfx90a, gfx942 and gfx950 with no GPU, use MFMA, and (with the
+Triton release the tiles were swept with) need no scratch: no spills."""
+
+import pytest
+import triton
+
+from attnforge.backends.triton_fa2.variants import SMEM, SPILL_CHECKED_WITH
+from attnforge.backends.triton_rocm import variants
+from attnforge.cli import main
+from attnforge.codegen import build
+
+MFMA = {"gfx90a": "v_mfma_f32_16x16x16bf16_1k", "gfx942": "v_mfma_f32_16x16x16_bf16", "gfx950": "v_mfma_f32_16x16x32_bf16"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx942", "gfx950"])
+@pytest.mark.parametrize("head_dim", variants.HEAD_DIMS)
+def test_cdna_kernels_use_mfma_and_do_not_spill(arch, head_dim, cache):
+    for b in build.plan([arch], dtypes=("bf16",), head_dims=(head_dim,), causal=(True,)):
+        meta, _ = build.build_cached(b, cache)
+        assert meta["binary"] == "kernel.hsaco" and dict(b.options)["waves_per_eu"] in (1, 2)
+        if b.kernel != "preprocess_kernel":
+            assert any(i.startswith("v_mfma_f32_") for i in meta["instructions"]), (b.name(), meta["instructions"])
+        if triton.__version__.startswith(SPILL_CHECKED_WITH + "."):
+            assert meta["stack_bytes"] == 0 and meta["vgpr_spills"] == 0, f"{b.name()}: {meta}"
+        assert meta["shared_bytes"] <= SMEM[arch], b.name()
+
+
+def test_mfma_shape_follows_the_arch_and_options(cache):
+    for arch, insn in MFMA.items():
+        (b,) = [x for x in build.plan([arch], dtypes=("bf16",), head_dims=(64,), causal=(False,)) if x.kernel == "fwd_kernel"]
+        meta, _ = build.build_cached(b, cache)
+        assert insn in meta["instructions"], (arch, meta["instructions"])
+
+
+def test_build_cli_for_amd(tmp_path, capsys):
+    assert main(["build", "--target", "gfx942", "--head-dim", "128", "--dtype", "fp16", "--causal", "false",
+                 "--out", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "4 kernels in" in out and "VGPRs" in err and "v_mfma" in err
+    assert len(list(tmp_path.glob("*/kernel.amdgcn"))) == 4
