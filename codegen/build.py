@@ -222,6 +222,7 @@ def build_cached(build: KernelBuild, cache_dir: pathlib.Path, keep_asm: bool = F
         meta = {"build": dataclasses.asdict(build), "key": key, "kernel_name": ck.metadata.name,
                 "shared_bytes": ck.metadata.shared, "binary": f"kernel.{binary_kind}", "binary_bytes": len(binary),
                 **res, "asm": sorted(asm), "instructions": instructions(listing) if listing else None}
+        meta = json.loads(json.dumps(meta))  # as a later read will see it (tuples become lists)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         tmp.rename(entry)  # atomic: a reader sees no entry or a whole one
         return meta, True
