@@ -20,8 +20,10 @@ def pytest_report_header(config):
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
-    """Builds and tuned winners go to a folder of this session, never the user's cache."""
+    """Builds, tuned winners and Triton's compile cache go to folders of this session, never the
+    user's caches: a test run cannot pass on what an earlier run left behind."""
     os.environ["ATTNFORGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("attnforge-cache"))
+    os.environ["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
 
 
 @pytest.fixture(autouse=True)
