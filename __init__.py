@@ -9,9 +9,11 @@ from . import backends as _backends  # registers the backends of this build
 from ._version import __version__
 from .api import attention, explain
 from .backends.reference import math_attention
-from .dispatch import PROFILES, Decision, DeviceSpec, Problem, profile, registered, use_backend
+from .dispatch import (PROFILES, Decision, DeviceSpec, Problem, decisions, last_decision, profile, registered,
+                       use_backend)
 from .errors import AttnforgeError, BackendUnavailableError, InvalidInputError, UnknownNameError
 
 __all__ = ["AttnforgeError", "BackendUnavailableError", "Decision", "DeviceSpec", "InvalidInputError",
-           "PROFILES", "Problem", "UnknownNameError", "__version__", "attention", "explain", "math_attention",
+           "PROFILES", "Problem", "UnknownNameError", "__version__", "attention", "decisions", "explain",
+           "last_decision", "math_attention",
            "profile", "registered", "use_backend"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import functools
@@ -146,10 +147,34 @@ def decide_call(q, k, v, layout, causal, dropout_p, return_lse, backend) -> Deci
             if len(_CALL_CACHE) >= _CALL_CACHE_LIMIT:
                 _CALL_CACHE.clear()
             _CALL_CACHE[key] = decision
+        _DISTINCT[decision] = None  # first time this signature ran: remember it, bounded
+        while len(_DISTINCT) > _DISTINCT_LIMIT:
+            _DISTINCT.popitem(last=False)
+    global _last
+    _last = decision
     return decision
 
 
+_DISTINCT: collections.OrderedDict = collections.OrderedDict()
+_DISTINCT_LIMIT = 256
+_last: Decision | None = None
+
+
+def last_decision() -> Decision | None:
+    """The Decision of the last attention() call in this process (None before any)."""
+    return _last
+
+
+def decisions() -> list[Decision]:
+    """The distinct Decisions attention() calls took in this process, oldest first (the last 256):
+    what ran in a model, and why."""
+    return list(_DISTINCT)
+
+
 def clear_caches() -> None:
-    """Forget every cached decision (after registering a backend, or in tests)."""
+    """Forget every cached decision and the decision log (after registering a backend, or in tests)."""
+    global _last
     decide.cache_clear()
     _CALL_CACHE.clear()
+    _DISTINCT.clear()
+    _last = None

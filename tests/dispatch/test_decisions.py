@@ -176,3 +176,20 @@ def test_rdna_and_fp8_fall_back_from_triton_rocm_with_reasons():
     assert d.forward.reasons_of("triton_rocm") == ("arch gfx1100 is not served; serves cpu, gfx90a, gfx942, gfx950",)
     d = explain(device="MI300X", dtype="fp8", head_dim=128, seqlen_q=4096)
     assert "dtype fp8 is not supported; supports bf16, fp16" in d.forward.reasons_of("triton_rocm")
+
+
+def test_decisions_are_queryable_after_the_fact():
+    import torch
+
+    assert attnforge.last_decision() is None and attnforge.decisions() == []
+    q = torch.randn(1, 2, 8, 16)
+    attnforge.attention(q, q, q)
+    first = attnforge.last_decision()
+    assert first.forward.backend == "sdpa" and first.problem.seqlen_q == 8
+    for _ in range(3):
+        attnforge.attention(q, q, q)  # the same signature: logged once
+    attnforge.attention(q, q, q, return_lse=True)
+    assert attnforge.last_decision().forward.backend == "reference"
+    assert attnforge.decisions() == [first, attnforge.last_decision()]
+    attnforge.attention(q, q, q)
+    assert attnforge.last_decision() is first and len(attnforge.decisions()) == 2
