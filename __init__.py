@@ -7,7 +7,7 @@
 
 from . import backends as _backends  # registers the backends of this build
 from ._version import __version__
-from .api import attention, explain
+from .api import attention, explain, sdpa
 from .backends.reference import math_attention
 from .dispatch import (PROFILES, Decision, DeviceSpec, Problem, decisions, last_decision, profile, registered,
                        use_backend)
@@ -15,5 +15,5 @@ from .errors import AttnforgeError, BackendUnavailableError, InvalidInputError, 
 
 __all__ = ["AttnforgeError", "BackendUnavailableError", "Decision", "DeviceSpec", "InvalidInputError",
            "PROFILES", "Problem", "UnknownNameError", "__version__", "attention", "decisions", "explain",
-           "last_decision", "math_attention",
+           "last_decision", "math_attention", "sdpa",
            "profile", "registered", "use_backend"]

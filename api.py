@@ -46,19 +46,44 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     dtype and layout, and with ``return_lse`` also the natural-log LSE (batch, heads_q, seqlen_q)
     in fp32 (-inf for rows that see no key). ``backend`` forces one backend (see use_backend).
     """
-    decision = decide_call(q, k, v, layout, causal, dropout_p, return_lse, backend)
+    return _run(q, k, v, causal, scale, dropout_p, layout, return_lse, backend)
+
+
+def _run(q, k, v, causal, scale, dropout_p, layout, return_lse, backend, mask="none", mask_args=None):
+    decision = decide_call(q, k, v, layout, causal, dropout_p, return_lse, backend, mask)
     scale = check_scale(scale, q.shape[-1])
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     fwd = registry.get(decision.forward.backend)
     if fwd.autograd_native:
-        out, lse = fwd.forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p)
+        out, lse = fwd.forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, **(mask_args or {}))
     else:
         bwd = registry.get(decision.backward.backend) if decision.backward else None
         out, lse = _Attention.apply(q, k, v, fwd, bwd, causal, scale, dropout_p)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False):
+    """torch.nn.functional.scaled_dot_product_attention's signature and meaning, dispatched by
+    attnforge: switch with one import. Inputs are (batch, heads, seqlen, head_dim). Unlike
+    attention(), ``is_causal`` is aligned top-left as in SDPA; calls the fast kernels cannot take (a
+    mask tensor, top-left causal with seqlen_q != seqlen_k) go to a backend that can (``sdpa``), and
+    the Decision (attnforge.last_decision()) says why."""
+    if attn_mask is not None and is_causal:
+        raise InvalidInputError("pass attn_mask or is_causal=True, not both (as torch's SDPA)")
+    if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == key.dim() == 4:
+        if query.shape[1] != key.shape[1] and not enable_gqa:
+            raise InvalidInputError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
+                                    "for grouped-query attention (as torch's SDPA)")
+        top_left = bool(is_causal) and query.shape[2] != key.shape[2]
+    else:
+        top_left = False  # attention()'s validation will name what is wrong
+    mask = "tensor" if attn_mask is not None else "causal_top_left" if top_left else "none"
+    mask_args = {"attn_mask": attn_mask} if attn_mask is not None else {"top_left": True} if top_left else None
+    return _run(query, key, value, bool(is_causal), scale, dropout_p, "bhsd", False, None, mask, mask_args)
 
 
 def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,

@@ -23,6 +23,7 @@ _ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "f
             "float64": "fp64", "double": "fp64", "e4m3": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
 _NAME_OF = {dt: name for name, dt in DTYPES.items()}
 LAYOUTS = ("bhsd", "bshd")
+MASKS = ("none", "tensor", "causal_top_left")
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -58,6 +59,7 @@ class Problem:
     dropout: bool = False
     needs_grad: bool = False
     return_lse: bool = False
+    mask: str = "none"  # "none", "tensor" (an attn_mask), or "causal_top_left" (SDPA's is_causal, seqlen_q != seqlen_k)
 
     def __post_init__(self):
         for field in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v"):
@@ -72,6 +74,8 @@ class Problem:
             raise InvalidInputError(f"heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv}) "
                                     "for grouped-query attention")
         dtype_name(self.dtype)  # raises on unknown names
+        if self.mask not in MASKS:
+            raise InvalidInputError(f"mask must be one of {', '.join(MASKS)}, got {self.mask!r}")
 
     @property
     def gqa(self) -> bool:
@@ -85,7 +89,7 @@ class Problem:
         heads = f"{self.heads_q}" if not self.gqa else f"{self.heads_q}/{self.heads_kv}kv"
         dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         flags = [f for f, on in (("causal", self.causal), ("dropout", self.dropout), ("grad", self.needs_grad),
-                                 ("lse", self.return_lse)) if on]
+                                 ("lse", self.return_lse), (f"mask={self.mask}", self.mask != "none")) if on]
         return (f"{self.dtype} b={self.batch} h={heads} nq={self.seqlen_q} nk={self.seqlen_k} {dims}"
                 + (" " + ",".join(flags) if flags else "") + f" on {self.device.arch} ({self.device.name})")
 
@@ -127,7 +131,8 @@ def validate_tensors(q, k, v, layout: str) -> None:
 
 
 def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: str = "bhsd", causal: bool = False,
-                         dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None) -> Problem:
+                         dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None,
+                         mask: str = "none") -> Problem:
     """Validate q, k, v and describe them as a Problem on ``device`` (default: the tensors' device)."""
     validate_tensors(q, k, v, layout)
     if device is None:
@@ -138,7 +143,7 @@ def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: s
     return Problem(batch=q.shape[0], heads_q=q.shape[h], heads_kv=k.shape[h], seqlen_q=q.shape[s],
                    seqlen_k=k.shape[s], head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=_NAME_OF[q.dtype],
                    device=device, causal=bool(causal), dropout=check_dropout(dropout_p) > 0,
-                   needs_grad=bool(needs_grad), return_lse=bool(return_lse))
+                   needs_grad=bool(needs_grad), return_lse=bool(return_lse), mask=mask)
 
 
 def check_dropout(dropout_p) -> float:

@@ -40,9 +40,10 @@ class Backend:
         return ""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                dropout_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                dropout_p: float, **mask) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Inputs in (batch, heads, seqlen, head_dim) order (any strides); returns the output in the
-        same order and the natural-log LSE (batch, heads_q, seqlen_q), or None if it gives none."""
+        same order and the natural-log LSE (batch, heads_q, seqlen_q), or None if it gives none.
+        ``mask``: attn_mask / top_left, given only to backends whose support declares those masks."""
         raise NotImplementedError
 
     def backward(self, q, k, v, out, lse, dout, *, causal: bool, scale: float):

@@ -126,20 +126,20 @@ _CALL_CACHE: dict[tuple, Decision] = {}
 _CALL_CACHE_LIMIT = 4096
 
 
-def decide_call(q, k, v, layout, causal, dropout_p, return_lse, backend) -> Decision:
+def decide_call(q, k, v, layout, causal, dropout_p, return_lse, backend, mask="none") -> Decision:
     """The Decision for this call. A repeated call signature (shapes, dtypes, devices, flags, forcing)
     is a dict lookup: it was validated when first seen, so the hot path stays in microseconds."""
     forced, how = forced_backend(backend)
     try:
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout,
-               causal, dropout_p, return_lse, needs_grad, forced, how)
+               causal, dropout_p, return_lse, needs_grad, forced, how, mask)
         decision = _CALL_CACHE.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the slow path says what
         key, decision = None, None
     if decision is None:
         problem = problem_from_tensors(q, k, v, layout=layout, causal=causal, dropout_p=dropout_p,
-                                       return_lse=return_lse)
+                                       return_lse=return_lse, mask=mask)
         decision = decide(problem, forced, how)
         if not decision.ok:
             raise BackendUnavailableError(str(decision))

@@ -23,6 +23,7 @@ class Support:
     return_lse: bool = True
     backward: bool = True
     empty: bool = True  # zero-sized batch, heads or sequence
+    masks: frozenset[str] = frozenset({"none"})  # see Problem.mask
 
     def reasons(self, p: Problem) -> list[str]:
         """One sentence per unmet need of ``p``; empty means supported (forward)."""
@@ -46,6 +47,10 @@ class Support:
             out.append("dropout_p > 0 is not supported")
         if p.return_lse and not self.return_lse:
             out.append("return_lse=True is not supported (it does not give the LSE)")
+        if p.mask not in self.masks:
+            out.append({"tensor": "an attn_mask tensor is not supported",
+                        "causal_top_left": "SDPA's top-left causal alignment with seqlen_q != seqlen_k is not supported "
+                                           "(attention() aligns bottom-right)"}[p.mask])
         if p.empty and not self.empty:
             out.append("empty problem (a zero-sized batch, heads or sequence) is not supported")
         return out

@@ -21,7 +21,7 @@ class ReferenceBackend(Backend):
         acc = "fp64" if problem.dtype == "fp64" else "fp32"
         return f"torch ops, key tiles of {kernels.BLOCK_N}, {acc} accumulation"
 
-    def forward(self, q, k, v, *, causal, scale, dropout_p):
+    def forward(self, q, k, v, *, causal, scale, dropout_p, **mask):
         return kernels.forward(q, k, v, causal=causal, scale=scale)
 
     def backward(self, q, k, v, out, lse, dout, *, causal, scale):

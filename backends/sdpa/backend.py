@@ -29,13 +29,16 @@ class SdpaBackend(Backend):
         vendors=frozenset({"nvidia", "amd", "cpu"}),
         dtypes=frozenset({"fp16", "bf16", "fp32", "fp64"}),
         return_lse=False,
-        empty=False,  # torch's fused kernels disagree on zero-sized inputs; reference handles them
+        empty=False,
+        masks=frozenset({"none", "tensor", "causal_top_left"}),  # attnforge.sdpa() passes SDPA's own masks through  # torch's fused kernels disagree on zero-sized inputs; reference handles them
     )
 
     def variant(self, problem: Problem) -> str:
         """The SDPA kernel torch reports for these shapes (asked on stand-in tensors) where it can say."""
         if not problem.device.present:
             return "kernel chosen by torch at run time (device not present to ask)"
+        if problem.mask != "none":
+            return "kernel chosen by torch at run time (SDPA's own mask semantics)"
         if problem.causal and problem.seqlen_q < problem.seqlen_k:
             return "kernel chosen by torch at run time (lower-right causal bias)"
         seqlen_q = min(problem.seqlen_q, problem.seqlen_k) if problem.causal else problem.seqlen_q
@@ -53,9 +56,11 @@ class SdpaBackend(Backend):
         except Exception as exc:  # private API: if it moves, say so rather than fail the decision
             return f"kernel chosen by torch at run time ({type(exc).__name__} asking torch)"
 
-    def forward(self, q, k, v, *, causal, scale, dropout_p):
+    def forward(self, q, k, v, *, causal, scale, dropout_p, attn_mask=None, top_left=False):
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]
         kwargs = dict(dropout_p=dropout_p, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        if attn_mask is not None or top_left:  # SDPA's own semantics, as attnforge.sdpa() promises
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=top_left, **kwargs), None
         if not causal or seqlen_q == seqlen_k:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kwargs), None
         if seqlen_q < seqlen_k:

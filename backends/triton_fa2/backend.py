@@ -100,7 +100,7 @@ class TritonFA2Backend(Backend):
                  for family, t in (("fwd", fwd), ("bwd", bwd)) if t is not None]
         return "; ".join(parts) + (" (interpreter)" if problem.device.vendor == "cpu" else "")
 
-    def forward(self, q, k, v, *, causal, scale, dropout_p):
+    def forward(self, q, k, v, *, causal, scale, dropout_p, **mask):
         q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
         module = self.module("fwd", self._arch(detect(q.device)), q.shape[-1])
         out = torch.empty_like(q)  # same strides as q when q is dense (bshd stays bshd), else contiguous
