@@ -6,6 +6,7 @@
 """
 
 from . import backends as _backends  # registers the backends of this build
+from . import op as _op  # registers the attnforge::attention custom op
 from ._version import __version__
 from .api import attention, explain, sdpa
 from .backends.reference import math_attention

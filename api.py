@@ -46,7 +46,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     dtype and layout, and with ``return_lse`` also the natural-log LSE (batch, heads_q, seqlen_q)
     in fp32 (-inf for rows that see no key). ``backend`` forces one backend (see use_backend).
     """
+    if torch.compiler.is_compiling():
+        return _traced(q, k, v, causal, scale, dropout_p, layout, return_lse, backend)
     return _run(q, k, v, causal, scale, dropout_p, layout, return_lse, backend)
+
+
+def _traced(q, k, v, causal, scale, dropout_p, layout, return_lse, backend):
+    """Under torch.compile: one opaque custom op (see op.py); the dispatcher runs when the graph runs."""
+    from .op import attention_op
+
+    if dropout_p:
+        raise InvalidInputError("dropout_p > 0 inside torch.compile is not supported yet; call attention() eagerly")
+    if layout == "bshd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out, lse = attention_op(q, k, v, bool(causal), q.shape[-1] ** -0.5 if scale is None else float(scale), backend)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
 
 
 def _run(q, k, v, causal, scale, dropout_p, layout, return_lse, backend, mask="none", mask_args=None):

@@ -24,6 +24,7 @@ def _private_cache(tmp_path_factory):
     user's caches: a test run cannot pass on what an earlier run left behind."""
     os.environ["ATTNFORGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("attnforge-cache"))
     os.environ["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor-cache"))
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,79 @@
+"""attention() as a torch.library custom op, so torch.compile(fullgraph=True) traces models that
+call it without graph breaks: the op is opaque to the compiler (the dispatcher and the kernels run
+when the compiled graph runs), fake implementations give shapes, and autograd is registered.
+
+Eager calls do not go through the op (its dispatch costs more than attnforge's whole host path);
+attention() routes here only while torch.compile is tracing. There, autograd-native backends
+(torch SDPA) are passed over for the best one with its own backward (triton_fa2 on NVIDIA,
+triton_rocm on CDNA, reference on the CPU): see _backend().
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .dispatch import registry
+
+
+def _backend(q, k, v, causal, backend):
+    """The backend the op runs: the best one the Decision found serving the forward whose backward
+    runs from the saved output and LSE. Autograd-native backends (torch SDPA) are passed over here:
+    inside an op, autograd cannot run through them, and the op's backward must be an op too."""
+    from .dispatch.decision import CHOSEN, ELIGIBLE
+    from .dispatch.problem import problem_from_tensors
+    from .dispatch.select import decide, forced_backend
+    from .errors import BackendUnavailableError
+
+    decision = decide(problem_from_tensors(q, k, v, causal=causal, needs_grad=True), *forced_backend(backend))
+    for c in decision.forward.candidates:
+        if c.verdict in (CHOSEN, ELIGIBLE):
+            b = registry.get(c.backend)
+            if not b.autograd_native and not b.supports_backward(decision.problem):
+                return b
+    raise BackendUnavailableError("under torch.compile attnforge needs a backend whose backward runs from the "
+                                  f"saved output and LSE, and none serves this call:\n{decision}")
+
+
+@torch.library.custom_op("attnforge::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                 backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for (batch, heads, seqlen, dim) inputs."""
+    out, lse = _backend(q, k, v, causal, backend).forward(q, k, v, causal=causal, scale=scale, dropout_p=0.0)
+    return out.contiguous(), lse.float().contiguous()
+
+
+@attention_op.register_fake
+def _(q, k, v, causal, scale, backend):
+    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("attnforge::attention_backward", mutates_args=())
+def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, causal: bool, scale: float,
+                          backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the forward op's output and LSE, by the backend that ran the forward."""
+    grads = _backend(q, k, v, causal, backend).backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
+    return tuple(g.contiguous() for g in grads)
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, causal, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend)
+    return dq, dk, dv, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
