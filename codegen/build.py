@@ -113,7 +113,7 @@ def _nvidia_tool(name: str) -> str:
 
 
 def resources(cubin: bytes) -> dict:
-    """Registers, stack (spill) bytes and static shared memory of a cubin, from cuobjdump -res-usage."""
+    """Registers, stack (spill) bytes and local memory of a cubin, from cuobjdump -res-usage."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

@@ -55,9 +55,8 @@ def run_case(backend, shape, dtype, causal, gen, layout="bhsd", magnitude=1.0, r
     """Forward (and LSE) against the fp64 oracle element by element; gradients too, except at large
     magnitude (see below)."""
     q, k, v = make(shape, DTYPES[dtype], gen, layout, magnitude, device)
-    problem = explain(as_layout(q, layout), as_layout(k, layout), as_layout(v, layout), causal=causal,
-                      layout=layout, needs_grad=True, return_lse=bool(return_lse), backend=backend).problem
-    reasons = registered()[backend].supports(problem)
+    reasons = refusal(backend, *(as_layout(t, layout) for t in (q, k, v)), causal=causal, layout=layout,
+                      needs_grad=True, return_lse=bool(return_lse))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     args = [as_layout(t, layout) for t in (q, k, v)]
     if reasons:
@@ -182,7 +181,7 @@ def test_empty_problems(backend, gen):
     q = torch.randn(2, 4, 7, 16, generator=gen, requires_grad=True)
     k = torch.randn(2, 2, 0, 16, requires_grad=True)
     v = torch.randn(2, 2, 0, 8, requires_grad=True)
-    reasons = registered()[backend].supports(explain(q, k, v).problem)
+    reasons = refusal(backend, q, k, v)
     if reasons:
         assert any("empty problem" in r for r in reasons)
         with pytest.raises(BackendUnavailableError, match="empty problem"):
