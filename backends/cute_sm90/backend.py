@@ -1,0 +1,82 @@
+"""FlashAttention-3-style forward for Hopper (sm90) in the CuTe DSL: TMA, WGMMA, warp specialization.
+
+Kernels are rendered from templates/cute_sm90_fwd.py.jinja into _generated/, one per variant of
+variants.py; compile.py compiles them (once per machine, cached on disk) and calls them through TVM
+FFI. Forward only: the backward is triton_fa2's, from this forward's output and LSE, and the
+Decision shows that choice.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from ...dispatch.problem import Problem
+from ...dispatch.registry import Backend
+from ...dispatch.support import Support
+from . import compile as cc
+from . import variants
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """TMA needs unit stride on head_dim, 16-byte aligned other strides and a 16-byte aligned start."""
+    ok = (t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+          and t.data_ptr() % 16 == 0)
+    return t if ok else t.contiguous()
+
+
+class CuteSm90Backend(Backend):
+    name = "cute_sm90"
+    summary = "FA3-style TMA + WGMMA forward in the CuTe DSL (templates/cute_sm90_fwd.py.jinja)"
+    support = Support(
+        vendors=frozenset({"nvidia"}),
+        archs=frozenset({"sm90"}),
+        dtypes=frozenset({"fp16", "bf16"}),
+        max_head_dim=max(variants.HEAD_DIMS),
+        dropout=False,  # no Philox mask in the kernel; sdpa serves dropout
+        backward=False,  # triton_fa2's backward runs from this forward's LSE
+        empty=False,  # zero-sized grids; reference serves empty problems
+    )
+
+    def available(self) -> list[str]:
+        missing = [pkg for mod, pkg in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"))
+                   if importlib.util.find_spec(mod) is None]
+        return [f"{', '.join(missing)} not installed (pip install 'attnforge[cute]')"] if missing else []
+
+    @staticmethod
+    def _kind(problem: Problem) -> str:
+        return "16bit"
+
+    def supports(self, problem: Problem) -> list[str]:
+        reasons = self.support.reasons(problem)
+        if problem.head_dim_v != problem.head_dim:
+            reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
+        if problem.head_dim not in variants.HEAD_DIMS:
+            if problem.head_dim <= max(variants.HEAD_DIMS):  # larger ones already have their reason
+                reasons.append(f"head_dim {problem.head_dim} has no cute_sm90 kernel "
+                               f"(has {', '.join(map(str, variants.HEAD_DIMS))})")
+        else:
+            reasons += variants.pick(self._kind(problem), problem.head_dim)[1]
+        return reasons
+
+    def variant(self, problem: Problem) -> str:
+        tile, _ = variants.pick(self._kind(problem), problem.head_dim)
+        return f"fwd {tile.describe()}" if tile else ""
+
+    def module(self, dtype: torch.dtype, head_dim: int) -> str:
+        kind = "16bit"
+        tile, reasons = variants.pick(kind, head_dim)
+        if tile is None:  # supports() said so first; this guards direct calls
+            raise RuntimeError("; ".join(reasons))
+        return tile.module(head_dim, kind)
+
+    def forward(self, q, k, v, *, causal, scale, dropout_p, **mask):
+        q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+        dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
+        kernel = cc.compiled(self.module(q.dtype, q.shape[-1]), dtype, causal)
+        out = torch.empty_like(q)  # q's strides when q is dense (so 16-byte aligned rows)
+        out = _tma_ready(out)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        kernel(q, k, v, out, lse, scale * 1.4426950408889634)  # log2(e): the kernel works in exp2
+        return out, lse

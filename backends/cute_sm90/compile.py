@@ -1,0 +1,183 @@
+"""Compiling the generated CuTe-DSL kernels, with no GPU if need be, and caching them.
+
+Each (variant module, dtype, causal) compiles once per process with `cute.compile` against fake
+tensors whose shapes and strides are symbolic, so one compiled kernel serves every batch, head count,
+sequence length and stride. Compiled kernels are exported to the attnforge cache directory
+(`export_to_c`, keyed by attnforge version, CuTe-DSL version, target, variant and the generated
+source) and loaded from there by later processes, so a machine compiles each variant once.
+Kernels are called through TVM FFI (`--enable-tvm-ffi`): torch tensors go in directly, on the
+current stream, with no per-call conversion.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib
+import os
+import pathlib
+import sys
+import tempfile
+import threading
+
+from ..._version import __version__
+from ...codegen.build import _locked, default_cache_dir
+
+ARCH = "sm_90a"
+GENERATED = f"{__package__}._generated"
+EXPORTED_NAME = "attnforge_fwd"
+DTYPES = ("fp16", "bf16")
+
+_compiled: dict[tuple, object] = {}
+_lock = threading.Lock()
+
+
+def import_cutlass():
+    """Import the CuTe DSL for sm_90a. With no GPU its arch detection would pick sm_100a and WGMMA
+    kernels would not build, and it reads CUTE_DSL_ARCH once, at import (notes/cute-dsl-attention.md §5)."""
+    if "cutlass" not in sys.modules:
+        os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    import cutlass
+
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch not in (None, ARCH) and not _has_sm90_gpu():
+        raise RuntimeError(f"the CuTe DSL was imported with CUTE_DSL_ARCH={arch}; cute_sm90 kernels compile for "
+                           f"{ARCH}: set CUTE_DSL_ARCH={ARCH} before anything imports cutlass")
+    return cutlass
+
+
+def _has_sm90_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def kernel_module(module: str):
+    return importlib.import_module(f"{GENERATED}.{module}")
+
+
+def fake_arguments(dtype: str, head_dim: int):
+    """Fake (q, k, v, out, lse, scale_log2, stream) for cute.compile: (batch, heads, seqlen, head_dim)
+    with symbolic sizes and strides (16-byte aligned rows, as TMA needs), fp32 LSE (batch, heads, seqlen)."""
+    cutlass = import_cutlass()
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    element = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[dtype]
+    batch, heads_q, heads_kv, seqlen_q, seqlen_k = (cute.sym_int32() for _ in range(5))
+
+    def tensor(heads, seqlen):
+        strides = [cute.sym_int64(divisibility=16 // (element.width // 8)) for _ in range(3)]
+        return make_fake_tensor(element, (batch, heads, seqlen, head_dim), (*strides, 1), assumed_align=16)
+
+    lse = make_fake_tensor(cutlass.Float32, (batch, heads_q, seqlen_q), (cute.sym_int64(), cute.sym_int64(), 1),
+                           assumed_align=4)
+    return (tensor(heads_q, seqlen_q), tensor(heads_kv, seqlen_k), tensor(heads_kv, seqlen_k),
+            tensor(heads_q, seqlen_q), lse, cutlass.Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def compile_kernel(module: str, dtype: str, causal: bool, dump_dir: str | None = None):
+    """cute.compile one generated variant for sm_90a (works with no GPU). ``dump_dir``: keep PTX and cubin there."""
+    return compile_module(kernel_module(module), dtype, causal, dump_dir)
+
+
+def compile_module(mod, dtype: str, causal: bool, dump_dir: str | None = None):
+    """cute.compile the kernel of a rendered module object (the generated ones, or a tile sweep's)."""
+    cutlass = import_cutlass()
+    import cutlass.cute as cute
+
+    element = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[dtype]
+    options = f"--enable-tvm-ffi --gpu-arch {ARCH}"
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)  # the DSL writes nothing, silently, into a missing directory
+        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    return cute.compile(mod.Forward(element, element, causal), *fake_arguments(dtype, mod.HEAD_DIM), options=options)
+
+
+def cache_key(module: str, dtype: str, causal: bool) -> str:
+    from importlib.metadata import version
+
+    source = pathlib.Path(kernel_module(module).__file__).read_bytes()
+    h = hashlib.sha256()
+    for part in (__version__, version("nvidia-cutlass-dsl"), ARCH, module, dtype, str(causal)):
+        h.update(part.encode() + b"\0")
+    h.update(source)
+    return h.hexdigest()[:32]
+
+
+def cache_path(module: str, dtype: str, causal: bool, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+    return pathlib.Path(cache_dir or default_cache_dir()) / "cute_sm90" / f"{cache_key(module, dtype, causal)}.o"
+
+
+def _load_runtime_libraries() -> None:
+    # A kernel loaded from an object file resolves the CuTe runtime's symbols through the global
+    # namespace; cute.runtime.load_module does not load those libraries RTLD_GLOBAL itself.
+    import cutlass.cute as cute
+
+    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+        if pathlib.Path(lib).exists():
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+
+
+def export(fn, path: pathlib.Path) -> None:
+    """Write a compiled kernel to ``path`` (atomically: a reader sees no file or a whole one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".o")
+    os.close(fd)
+    try:
+        fn.export_to_c(object_file_path=tmp, function_name=EXPORTED_NAME)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load(path: pathlib.Path):
+    import cutlass.cute as cute
+
+    _load_runtime_libraries()
+    return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), EXPORTED_NAME)
+
+
+def build_cached(module: str, dtype: str, causal: bool, cache_dir: pathlib.Path | None = None) -> tuple[pathlib.Path, bool]:
+    """Compile and export one variant into the cache unless it is there. Returns (path, built_now)."""
+    import_cutlass()
+    path = cache_path(module, dtype, causal, cache_dir)
+    with _locked(path.parent / "locks" / f"{path.stem}.lock"):
+        if path.is_file() and path.stat().st_size:
+            return path, False
+        export(compile_kernel(module, dtype, causal), path)
+        return path, True
+
+
+def compiled(module: str, dtype: str, causal: bool):
+    """The callable kernel for a variant: from this process's memory, else from the disk cache, else
+    compiled now (and exported for the next process). Thread-safe."""
+    key = (module, dtype, causal)
+    fn = _compiled.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        if key not in _compiled:
+            import_cutlass()
+            path = cache_path(module, dtype, causal)
+            fn = None
+            if path.is_file():
+                try:
+                    fn = load(path)
+                except Exception:  # torn or foreign entry: rebuild it
+                    path.unlink(missing_ok=True)
+            if fn is None:
+                fn = compile_kernel(module, dtype, causal)
+                try:
+                    with _locked(path.parent / "locks" / f"{path.stem}.lock"):
+                        if not path.is_file():
+                            export(fn, path)
+                except OSError:
+                    pass  # a read-only cache only costs the next process a compile
+            _compiled[key] = fn
+        return _compiled[key]
+
+
+def forget() -> None:
+    _compiled.clear()

@@ -1,0 +1,137 @@
+"""The cute_sm90 variant table: tile configs per input kind and head dim, and the ONE validity check
+that supports(), the heuristic, codegen and `attnforge build` use.
+
+Where the numbers come from:
+- tiles: FlashAttention-3's sm90 tile table (hopper/tile_size.h, via ../shared/notes/cute-dsl-attention.md
+  section 4) as the starting point, then the H200 runs in benchmarks/results/ (see each entry);
+- registers per thread for the producer / consumer warpgroups: FA3's 24/240 (2 consumer warpgroups)
+  and 32/160 (3), which `setmaxnreg` needs to sum to at most 64K per CTA;
+- shared memory: H100/H200 allow 227 KiB per block (opt-in).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+HEAD_DIMS = (64, 128, 256)
+KINDS = ("16bit",)  # fp16/bf16 in, same out
+SMEM_BYTES = 232448  # 227 KiB, the sm90 opt-in maximum per block
+REGISTERS_PER_SM = 65536
+ELEMENT_BYTES = {"16bit": 2, "fp8": 1}
+# Per consumer thread, beyond its accumulators and P: addresses, row statistics, loop state. A rough
+# figure (the 128x128 d128 kernel compiled at 168 registers with 160 in tiles; ptxas decides).
+REGISTER_OVERHEAD = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90FwdTile:
+    """One forward kernel configuration. tile_m = 64 rows per consumer warpgroup."""
+
+    tile_m: int
+    tile_n: int
+    kv_stages: int = 2
+    consumer_warpgroups: int = 2
+    producer_registers: int = 24
+    consumer_registers: int = 240
+    pingpong: bool = True  # named-barrier ordering of the consumer warpgroups' GEMMs
+    cluster: tuple[int, int] = (1, 1)
+
+    def module(self, head_dim: int, kind: str = "16bit") -> str:
+        return (f"fwd_{kind}_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.kv_stages}"
+                f"_wg{self.consumer_warpgroups}{'_pp' if self.pingpong else ''}")
+
+    def params(self, head_dim: int, kind: str = "16bit") -> dict:
+        return {**dataclasses.asdict(self), "head_dim": head_dim, "kind": kind}
+
+    def smem_bytes(self, head_dim: int, kind: str = "16bit") -> int:
+        tiles = self.tile_m * head_dim + 2 * self.kv_stages * self.tile_n * head_dim  # Q, K and V stages
+        return ELEMENT_BYTES[kind] * tiles + 8 * (2 + 4 * self.kv_stages) + 1024  # mbarriers, alignment
+
+    def registers_needed(self, head_dim: int) -> int:
+        """Per consumer thread: S (64 x tile_n fp32), O (64 x head_dim fp32) and P (16-bit, two per
+        register) over a warpgroup's 128 threads, plus REGISTER_OVERHEAD."""
+        return (64 * self.tile_n + 64 * head_dim + 64 * self.tile_n // 2) // 128 + REGISTER_OVERHEAD
+
+    def describe(self, head_dim: int | None = None) -> str:
+        return (f"{self.tile_m}x{self.tile_n} s{self.kv_stages} {self.consumer_warpgroups} consumer warpgroups"
+                f"{' pingpong' if self.pingpong else ''}")
+
+
+def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
+    """The one validity check: reasons ``tile`` cannot serve ``head_dim`` (empty: it can)."""
+    reasons = []
+    name = tile.describe()
+    if kind not in ELEMENT_BYTES:
+        reasons.append(f"unknown input kind {kind!r}")
+        return reasons
+    if head_dim not in HEAD_DIMS:
+        reasons.append(f"head_dim {head_dim} has no cute_sm90 kernel (has {', '.join(map(str, HEAD_DIMS))})")
+    if tile.consumer_warpgroups not in (1, 2, 3) or tile.tile_m != 64 * tile.consumer_warpgroups:
+        reasons.append(f"{name}: tile_m must be 64 x consumer warpgroups (1-3), one WGMMA row block each")
+    if tile.tile_n % 16 or not 16 <= tile.tile_n <= 256:
+        reasons.append(f"{name}: tile_n must be a multiple of 16 in [16, 256] (WGMMA N; P feeds P @ V in 16-key steps)")
+    if tile.kv_stages < 1:
+        reasons.append(f"{name}: needs at least one K/V stage")
+    if tile.pingpong and tile.consumer_warpgroups < 2:
+        reasons.append(f"{name}: pingpong needs two or more consumer warpgroups")
+    if tile.cluster != (1, 1):
+        reasons.append(f"{name}: thread-block clusters are not implemented (cluster {tile.cluster})")
+    if tile.smem_bytes(head_dim, kind) > SMEM_BYTES:
+        reasons.append(f"{name} at head_dim {head_dim} needs {tile.smem_bytes(head_dim, kind) // 1024} KiB of shared "
+                       f"memory, sm90 has {SMEM_BYTES // 1024} KiB")
+    regs = [tile.producer_registers, tile.consumer_registers]
+    if any(r % 8 or not 24 <= r <= 256 for r in regs):
+        reasons.append(f"{name}: setmaxnreg counts must be multiples of 8 in [24, 256], got {regs}")
+    total = 128 * (tile.producer_registers + tile.consumer_warpgroups * tile.consumer_registers)
+    if total > REGISTERS_PER_SM:
+        reasons.append(f"{name}: {total} registers per CTA > {REGISTERS_PER_SM}")
+    if tile.registers_needed(head_dim) > tile.consumer_registers:
+        reasons.append(f"{name} at head_dim {head_dim} needs ~{tile.registers_needed(head_dim)} registers per consumer "
+                       f"thread, has {tile.consumer_registers}")
+    return reasons
+
+
+_2WG = dict(consumer_warpgroups=2, producer_registers=24, consumer_registers=240)
+_3WG = dict(consumer_warpgroups=3, producer_registers=32, consumer_registers=160)
+
+# Lists in order of preference; the first tile that passes check() is used.
+FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
+    "16bit": {
+        # H200 2026-11-29 probe: 128x128 s2 pingpong, d=128: 648 TFLOP/s at N=16k (cuDNN 618, FA4 665).
+        128: [Sm90FwdTile(128, 128, 2, **_2WG)],
+        64: [Sm90FwdTile(128, 128, 2, **_2WG)],
+        # FA3: 128x80 at d=256 (smem: Q 64 KiB + two K and two V stages of 40 KiB).
+        256: [Sm90FwdTile(128, 80, 2, **_2WG)],
+    },
+}
+
+
+def pick(kind: str, head_dim: int) -> tuple[Sm90FwdTile | None, list[str]]:
+    """The tile for (kind, head_dim): the first in the table that passes check(), or the reasons."""
+    candidates = FWD.get(kind, {}).get(head_dim)
+    if not candidates:
+        return None, [f"head_dim {head_dim} has no cute_sm90 kernel (has {', '.join(map(str, HEAD_DIMS))})"]
+    reasons = []
+    for tile in candidates:
+        why = check(tile, head_dim, kind)
+        if not why:
+            return tile, []
+        reasons += why
+    return None, reasons
+
+
+def picks() -> list[tuple[str, int, Sm90FwdTile]]:
+    """(kind, head_dim, tile) for every kernel the heuristic can pick: what codegen renders."""
+    out = []
+    for kind in FWD:
+        for head_dim in HEAD_DIMS:
+            tile, _ = pick(kind, head_dim)
+            if tile is not None:
+                out.append((kind, head_dim, tile))
+    return out
+
+
+def codegen_targets() -> list[tuple[str, dict, str]]:
+    """(template, parameters, module path inside the package) for every module codegen renders."""
+    return [("cute_sm90_fwd.py.jinja", tile.params(head_dim, kind),
+             f"backends/cute_sm90/_generated/{tile.module(head_dim, kind)}.py") for kind, head_dim, tile in picks()]

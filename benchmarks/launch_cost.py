@@ -1,0 +1,75 @@
+"""Wall time per call on a tiny problem (B=1, H=8, N=128, d=64, bf16), where the kernel itself is a few
+microseconds and the rest is the launch path: attnforge.attention() (automatic choice), the cute_sm90
+compiled kernel called directly, torch SDPA and FlashAttention-4 when installed. Calls are queued
+back to back and the queue drained once per repeat; median per-call time over repeats. The kernel
+time alone is do_bench's CUDA-event median.
+
+    python benchmarks/launch_cost.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+import attnforge
+
+
+def per_call_us(fn, calls=200, repeats=15) -> float:
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter_ns() - t0) / calls / 1e3)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--json")
+    args = p.parse_args()
+    q, k, v = (torch.randn(1, 8, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    impls = {"attnforge.attention (auto)": lambda: attnforge.attention(q, k, v),
+             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v)}
+    decision = attnforge.explain(q, k, v)
+    if decision.forward.backend == "cute_sm90":
+        from attnforge.backends.cute_sm90 import compile as cc
+        from attnforge.dispatch import registered
+
+        kernel = cc.compiled(registered()["cute_sm90"].module(q.dtype, 64), "bf16", False)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+        scale_log2 = 64 ** -0.5 * math.log2(math.e)
+        impls["cute_sm90 kernel, called directly"] = lambda: kernel(q, k, v, out, lse, scale_log2)
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        impls["FlashAttention-4"] = lambda: flash_attn_func(qt, kt, vt)
+    except ImportError:
+        pass
+    rows = []
+    for name, fn in impls.items():
+        wall = per_call_us(fn)
+        kernel_us = triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
+        rows.append(dict(impl=name, wall_us_per_call=wall, do_bench_us=kernel_us))
+        print(f"{name:36s} wall {wall:7.1f} us/call   do_bench {kernel_us:7.1f} us", flush=True)
+    print("chosen:", decision.forward.backend, decision.forward.variant)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shape": [1, 8, 128, 64], "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Tile sweep for cute_sm90 on the local H100/H200: renders candidate tiles from the template into a
+temporary folder, checks each against fp32 math on the same inputs and times it with CUDA events
+(triton.testing.do_bench medians). TFLOP/s with FLOPs = 4*B*H*N^2*d (halved when causal), 16k
+tokens per batch, heads = 2048/d. The winners go into variants.py by hand, with this run's JSON
+committed beside them.
+
+    python benchmarks/sweep_cute_sm90.py [--json out.json] [--head-dim 64,128,256] [--seqlen 4096,16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import pathlib
+import tempfile
+
+import torch
+import triton.testing
+
+from attnforge.backends.cute_sm90 import compile as cc
+from attnforge.backends.cute_sm90.variants import Sm90FwdTile, check
+from attnforge.codegen.render import render
+
+_2WG = dict(consumer_warpgroups=2, producer_registers=24, consumer_registers=240)
+_3WG = dict(consumer_warpgroups=3, producer_registers=32, consumer_registers=160)
+CANDIDATES = {
+    64: [Sm90FwdTile(128, 128, 2, **_2WG), Sm90FwdTile(192, 128, 2, **_3WG), Sm90FwdTile(128, 192, 2, **_2WG),
+         Sm90FwdTile(128, 128, 3, **_2WG), Sm90FwdTile(192, 192, 2, **_3WG)],
+    128: [Sm90FwdTile(128, 128, 2, **_2WG), Sm90FwdTile(128, 176, 2, **_2WG), Sm90FwdTile(128, 128, 3, **_2WG),
+          Sm90FwdTile(128, 128, 2, pingpong=False, **_2WG), Sm90FwdTile(128, 160, 2, **_2WG)],
+    256: [Sm90FwdTile(128, 80, 2, **_2WG), Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 96, 2, **_2WG)],
+}
+
+
+def load(tile, head_dim, folder):
+    name = tile.module(head_dim)
+    path = pathlib.Path(folder) / f"{name}.py"
+    path.write_text(render("cute_sm90_fwd.py.jinja", **tile.params(head_dim)))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--json")
+    p.add_argument("--head-dim", default="64,128,256")
+    p.add_argument("--seqlen", default="4096,16384")
+    args = p.parse_args()
+    results = []
+    folder = tempfile.mkdtemp(prefix="cute_sm90_sweep_")
+    for head_dim in map(int, args.head_dim.split(",")):
+        for tile in CANDIDATES[head_dim]:
+            if check(tile, head_dim):
+                print(f"d={head_dim} {tile.describe()}: invalid: {check(tile, head_dim)}")
+                continue
+            mod = load(tile, head_dim, folder)
+            kernels = {c: cc.compile_module(mod, "bf16", c) for c in (False, True)}
+            for n in map(int, args.seqlen.split(",")):
+                b, h = max(16384 // n, 1), 2048 // head_dim
+                g = torch.Generator(device="cuda").manual_seed(0)
+                q, k, v = (torch.randn(b, h, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                           for _ in range(3))
+                for causal in (False, True):
+                    out = torch.full_like(q, float("nan"))
+                    lse = torch.empty(q.shape[:3], device="cuda")
+                    scale_log2 = head_dim ** -0.5 * math.log2(math.e)
+                    run = lambda: kernels[causal](q, k, v, out, lse, scale_log2)  # noqa: E731
+                    run()
+                    ref = torch.nn.functional.scaled_dot_product_attention(
+                        q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), is_causal=causal)
+                    err = (out[:1, :2].float() - ref).abs().max().item()
+                    ms = triton.testing.do_bench(run, warmup=25, rep=200)
+                    tflops = 4 * b * h * n * n * head_dim / (2 if causal else 1) / ms / 1e9
+                    row = dict(head_dim=head_dim, seqlen=n, causal=causal, tile=tile.describe(),
+                               module=tile.module(head_dim), ms=ms, tflops=tflops, max_err_vs_fp32=err)
+                    results.append(row)
+                    print(f"d={head_dim} N={n} {'causal' if causal else 'full  '} {tile.describe():44s} "
+                          f"{tflops:6.0f} TFLOP/s  err {err:.1e}", flush=True)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                       "torch": torch.__version__, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Every variant the table can pick compiles for sm_90a on this machine (no GPU needed), and the SASS
+uses what Hopper offers: HGMMA (WGMMA), UTMALDG (TMA loads), USETMAXREG (register reallocation
+between producer and consumer warpgroups), with no register spills."""
+
+import collections
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+from attnforge.backends.cute_sm90 import compile as cc
+from attnforge.backends.cute_sm90 import variants
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install 'attnforge[cute]')")
+pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
+
+
+def cuobjdump(*args) -> str:
+    import triton
+
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
+
+
+PICKS = [(kind, head_dim, tile, dtype, causal) for kind, head_dim, tile in variants.picks()
+         for dtype in cc.DTYPES for causal in (False, True)]
+
+
+@pytest.mark.parametrize(("kind", "head_dim", "tile", "dtype", "causal"), PICKS,
+                         ids=[f"{t.module(d, k)}-{dt}-{'causal' if c else 'full'}" for k, d, t, dt, c in PICKS])
+def test_variant_compiles_for_sm90a_with_wgmma_and_tma(tmp_path, kind, head_dim, tile, dtype, causal):
+    cc.compile_kernel(tile.module(head_dim, kind), dtype, causal, dump_dir=str(tmp_path))
+    (cubin,) = tmp_path.glob("*.sm_90a.cubin")
+    sass = cuobjdump("-sass", str(cubin))
+    seen = collections.Counter(m.split(".")[0] for m in re.findall(r"\b(?:HGMMA|UTMALDG|USETMAXREG)\.[\w.]+", sass))
+    assert seen["HGMMA"] and seen["UTMALDG"] and seen["USETMAXREG"] == 2, seen
+    element = {"fp16": "", "bf16": r"\.BF16"}[dtype]  # cuobjdump leaves F16 (the default) unsaid
+    assert re.search(rf"HGMMA\.64x{tile.tile_n}x16\.F32{element}\s", sass)  # S = Q K^T, one key block
+    assert re.search(rf"HGMMA\.64x{head_dim}x16\.F32{element}\s", sass)  # O += P V
+    usage = cuobjdump("-res-usage", str(cubin))
+    assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage  # no spills
+
+
+def test_disk_cache_builds_once_and_keys_on_the_variant(tmp_path):
+    kind, head_dim, tile = variants.picks()[0]
+    module = tile.module(head_dim, kind)
+    path, built = cc.build_cached(module, "bf16", False, tmp_path)
+    assert built and path.is_file() and path.stat().st_size > 0 and path.parent == tmp_path / "cute_sm90"
+    assert cc.build_cached(module, "bf16", False, tmp_path) == (path, False)
+    assert cc.cache_path(module, "bf16", True, tmp_path) != path
+    assert cc.cache_path(module, "fp16", False, tmp_path) != path

@@ -1,0 +1,47 @@
+"""Which devices and problems get cute_sm90, and the reasons when they do not."""
+
+import pytest
+import torch
+
+from attnforge import BackendUnavailableError, attention, explain, use_backend
+
+
+@pytest.mark.parametrize("device", ("H100", "H200"))
+@pytest.mark.parametrize("dtype", ("fp16", "bf16"))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_hopper_chooses_cute_sm90_and_triton_fa2_runs_the_backward(device, dtype, head_dim):
+    d = explain(device=device, dtype=dtype, head_dim=head_dim, seqlen_q=4096, heads=16, kv_heads=4,
+                causal=True, needs_grad=True)
+    assert d.forward.backend == "cute_sm90" and not d.fallback
+    assert d.forward.variant.startswith("fwd 128x")
+    assert d.backward.backend == "triton_fa2"
+    assert d.backward.reasons_of("cute_sm90") == ("has no backward",)
+
+
+@pytest.mark.parametrize(("kw", "reason"), [
+    (dict(dtype="fp32", head_dim=128), "dtype fp32 is not supported; supports bf16, fp16"),
+    (dict(dtype="bf16", head_dim=512), "head_dim 512 > 256"),
+    (dict(dtype="bf16", head_dim=96), "head_dim 96 has no cute_sm90 kernel (has 64, 128, 256)"),
+    (dict(dtype="bf16", head_dim=128, dropout_p=0.1), "dropout_p > 0 is not supported"),
+])
+def test_fallbacks_say_why(kw, reason):
+    d = explain(device="H100", seqlen_q=1024, **kw)
+    assert d.forward.backend != "cute_sm90" and d.fallback
+    assert reason in d.forward.reasons_of("cute_sm90")
+
+
+def test_forcing_it_where_it_cannot_serve_raises_with_reasons():
+    with use_backend("cute_sm90"):
+        d = explain(device="L40S", dtype="bf16", head_dim=128, seqlen_q=1024)
+        assert d.forward.backend is None
+        assert d.forward.reasons_of("cute_sm90") == ("arch sm89 is not served; serves sm90",)
+    q = torch.randn(1, 2, 8, 64)
+    with pytest.raises(BackendUnavailableError, match="cute_sm90 +rejected +device cpu"):
+        attention(q, q, q, backend="cute_sm90")
+
+
+def test_blackwell_does_not_get_it():
+    d = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=1024)
+    assert "cute_sm90" not in [c.backend for c in d.forward.candidates]
+    d = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=1024, backend="cute_sm90")
+    assert d.forward.reasons_of("cute_sm90") == ("arch sm100 is not served; serves sm90",)
