@@ -31,6 +31,11 @@ class Backend:
         """Reasons this backend cannot run ``problem``'s backward from a saved output and LSE."""
         return self.support.backward_reasons(problem)
 
+    def passed_over(self, problem: Problem) -> list[str]:
+        """Reasons the automatic choice should prefer a later backend although this one can serve
+        ``problem`` (a measured speed difference); forcing this backend ignores them."""
+        return []
+
     def available(self) -> list[str]:
         """Reasons this backend cannot run in this process at all (a missing package, say)."""
         return []

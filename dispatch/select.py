@@ -101,6 +101,8 @@ def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> De
 
     def verdict(b: registry.Backend):
         reasons = b.available() + b.supports(problem)
+        if not reasons and not forced:
+            reasons = b.passed_over(problem)
         if not reasons and problem.needs_grad:
             backward_of[b.name] = bwd = _backward(problem, b, bwd_order)
             if bwd.backend is None:

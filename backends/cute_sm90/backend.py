@@ -8,6 +8,7 @@ Decision shows that choice.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -60,11 +61,26 @@ class CuteSm90Backend(Backend):
             reasons += variants.pick(self._kind(problem), problem.head_dim)[1]
         return reasons
 
+    def passed_over(self, problem: Problem) -> list[str]:
+        below = variants.TRITON_FASTER_BELOW.get((self._kind(problem), problem.head_dim))
+        if below is None or problem.seqlen_k >= below:
+            return []
+        from ...dispatch.registry import registered
+
+        triton = registered().get("triton_fa2")
+        if triton is None or triton.available() or triton.supports(problem):
+            return []  # nothing faster can take it: keep it
+        return [f"triton_fa2 measured faster at head_dim {problem.head_dim} with seqlen_k < {below} "
+                f"(H200: 332 vs 289 TFLOP/s at 1024; see backends/cute_sm90/variants.py)"]
+
     def variant(self, problem: Problem) -> str:
         tile, _ = variants.pick(self._kind(problem), problem.head_dim)
         return f"fwd {tile.describe()}" if tile else ""
 
-    def module(self, dtype: torch.dtype, head_dim: int) -> str:
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def module(dtype: torch.dtype, head_dim: int) -> str:
+        """The generated module of the picked variant (cached: forward() runs on every call)."""
         kind = "16bit"
         tile, reasons = variants.pick(kind, head_dim)
         if tile is None:  # supports() said so first; this guards direct calls
@@ -75,8 +91,7 @@ class CuteSm90Backend(Backend):
         q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
         dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
         kernel = cc.compiled(self.module(q.dtype, q.shape[-1]), dtype, causal)
-        out = torch.empty_like(q)  # q's strides when q is dense (so 16-byte aligned rows)
-        out = _tma_ready(out)
+        out = torch.empty_like(q)  # q's strides when q is dense, else contiguous: TMA-ready either way
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         kernel(q, k, v, out, lse, scale * 1.4426950408889634)  # log2(e): the kernel works in exp2
         return out, lse

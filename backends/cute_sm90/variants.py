@@ -97,13 +97,22 @@ _3WG = dict(consumer_warpgroups=3, producer_registers=32, consumer_registers=160
 # Lists in order of preference; the first tile that passes check() is used.
 FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     "16bit": {
-        # H200 2026-11-29 probe: 128x128 s2 pingpong, d=128: 648 TFLOP/s at N=16k (cuDNN 618, FA4 665).
+        # H200 sweep (same file): 128x128 s2 at d=128: 638-642 TFLOP/s at N=16k with or without
+        # pingpong, 640 with 3 stages; 128x160 610 and FA3's 128x176 486 (causal 445 / 346).
         128: [Sm90FwdTile(128, 128, 2, **_2WG)],
+        # d=64: 128x128 437/411 at N=16k (full/causal) vs 192x128 with 3 warpgroups 381/340, 128x192 419/391.
         64: [Sm90FwdTile(128, 128, 2, **_2WG)],
-        # FA3: 128x80 at d=256 (smem: Q 64 KiB + two K and two V stages of 40 KiB).
-        256: [Sm90FwdTile(128, 80, 2, **_2WG)],
+        # FA3's 128x80 at d=256 vs 128x64: 638/562 vs 645/578 TFLOP/s at N=16k (full/causal), 608 vs 619
+        # at N=4k (H200 sweep, benchmarks/results/2026-11-29-h200-cute_sm90/sweep.json).
+        256: [Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 80, 2, **_2WG)],
     },
 }
+
+
+# Where triton_fa2 measured faster on the H200 (benchmarks/results/2026-11-29-h200-cute_sm90/bench.json,
+# forward bf16): at d=64, N=1024: 332 vs 289 TFLOP/s (causal 222 vs 202); at N=4096 they tie (402 vs
+# 398). (kind, head_dim) -> the seqlen_k from which cute_sm90 is at least as fast.
+TRITON_FASTER_BELOW = {("16bit", 64): 4096}
 
 
 def pick(kind: str, head_dim: int) -> tuple[Sm90FwdTile | None, list[str]]:

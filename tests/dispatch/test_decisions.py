@@ -29,7 +29,7 @@ def test_decision_matrix_follows_declarations(device, dtype, head_dim, needs_gra
         if c.backend not in built:
             assert c.verdict == ABSENT and c.reasons == ("not in this build of attnforge",)
             continue
-        declared = built[c.backend].supports(d.problem)
+        declared = built[c.backend].supports(d.problem) or built[c.backend].passed_over(d.problem)
         if declared:  # every rejection carries the backend's own sentences, and nothing is skipped
             assert c.verdict == REJECTED and list(c.reasons) == declared
             assert all(isinstance(r, str) and len(r) > 10 for r in c.reasons)
@@ -59,7 +59,7 @@ def test_h100_fp32_shows_the_fallback_and_why():
     d = explain(device="H100", dtype="fp32", head_dim=128, seqlen_q=4096, heads=32, kv_heads=8)
     assert d.forward.backend == "sdpa" and d.fallback and d.preferred == "cute_sm90"
     text = str(d)
-    assert "fallback: cute_sm90 is preferred on sm90 but not in this build" in text
+    assert "fallback: cute_sm90 is preferred on sm90 but dtype fp32 is not supported; supports bf16, fp16" in text
     assert "kernel chosen by torch at run time (device not present to ask)" in text
 
 
@@ -103,7 +103,9 @@ def test_forced_backend_that_cannot_serve_raises_with_reasons():
     q = torch.randn(1, 1, 8, 16)
     with pytest.raises(BackendUnavailableError, match="return_lse=True is not supported"):
         attnforge.attention(q, q, q, return_lse=True, backend="sdpa")
-    with pytest.raises(BackendUnavailableError, match="cute_sm90 +absent +not in this build"):
+    with pytest.raises(BackendUnavailableError, match="cute_sm100 +absent +not in this build"):
+        attnforge.attention(q, q, q, backend="cute_sm100")
+    with pytest.raises(BackendUnavailableError, match="cute_sm90 +rejected +device cpu"):
         attnforge.attention(q, q, q, backend="cute_sm90")
 
 
@@ -132,7 +134,7 @@ def test_unknown_backend_names_are_refused_early():
 
 
 def test_decisions_are_cached_and_fallbacks_logged_once(caplog):
-    kw = dict(device="H200", dtype="bf16", head_dim=128, seqlen_q=2048, causal=True)
+    kw = dict(device="B200", dtype="bf16", head_dim=128, seqlen_q=2048, causal=True)
     with caplog.at_level(logging.INFO, logger="attnforge"):
         first = explain(**kw)
         for _ in range(3):
@@ -140,7 +142,7 @@ def test_decisions_are_cached_and_fallbacks_logged_once(caplog):
         explain(device="cpu", dtype="bf16", head_dim=128, seqlen_q=2048)  # not a fallback: silent
     records = [r for r in caplog.records if r.name == "attnforge"]
     assert len(records) == 1
-    assert "-> triton_fa2 instead of cute_sm90 (not in this build of attnforge)" in records[0].getMessage()
+    assert "-> triton_fa2 instead of cute_sm100 (not in this build of attnforge)" in records[0].getMessage()
     assert decide.cache_info().hits >= 3
 
 

@@ -10,7 +10,7 @@
 #   pingpong = True
 #   producer_registers = 24
 #   tile_m = 128
-#   tile_n = 80
+#   tile_n = 64
 
 """Attention forward for sm90 (H100/H200): TMA + WGMMA, warp-specialized, online softmax in exp2.
 
@@ -31,7 +31,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 HEAD_DIM = 256
 TILE_M = 128  # rows of Q per CTA = 64 * CONSUMER_WARPGROUPS
-TILE_N = 80  # keys per K/V block
+TILE_N = 64  # keys per K/V block
 KV_STAGES = 2
 CONSUMER_WARPGROUPS = 2
 PRODUCER_REGS = 24
