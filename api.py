@@ -35,7 +35,8 @@ class _Attention(torch.autograd.Function):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               scale: float | None = None, dropout_p: float = 0.0, layout: str = "bhsd",
-              return_lse: bool = False, backend: str | None = None):
+              return_lse: bool = False, backend: str | None = None, q_descale: torch.Tensor | None = None,
+              k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None):
     """Exact attention softmax(q k^T * scale) v on the best backend for the device, dtype and shapes.
 
     q: (batch, heads_q, seqlen_q, head_dim), k: (batch, heads_kv, seqlen_k, head_dim),
@@ -45,10 +46,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (bottom-right, as FlashAttention); a row that sees no key gives 0. Returns the output in q's
     dtype and layout, and with ``return_lse`` also the natural-log LSE (batch, heads_q, seqlen_q)
     in fp32 (-inf for rows that see no key). ``backend`` forces one backend (see use_backend).
+    FP8 (float8_e4m3fn q, k, v): the output is bf16, and ``q_descale``/``k_descale``/``v_descale``
+    (fp32, (batch, heads_kv), default 1) dequantise: the result is attention of descale * x.
     """
+    descales = (q_descale, k_descale, v_descale)
+    if any(d is not None for d in descales) or q.dtype == torch.float8_e4m3fn:
+        if torch.compiler.is_compiling():
+            raise InvalidInputError("fp8 attention inside torch.compile is not supported yet; call it eagerly")
+        descale = _fp8_descale(q, k, descales, layout)
+        return _run(q, k, v, causal, scale, dropout_p, layout, return_lse, backend, mask_args={"descale": descale})
     if torch.compiler.is_compiling():
         return _traced(q, k, v, causal, scale, dropout_p, layout, return_lse, backend)
     return _run(q, k, v, causal, scale, dropout_p, layout, return_lse, backend)
+
+
+def _fp8_descale(q, k, descales, layout) -> torch.Tensor:
+    """The (3, batch, heads_kv) fp32 descales of an fp8 call, ones where not given."""
+    if q.dtype != torch.float8_e4m3fn:
+        raise InvalidInputError(f"q_descale/k_descale/v_descale apply to float8_e4m3fn inputs, got {q.dtype}")
+    batch, heads_kv = k.shape[0], k.shape[2 if layout == "bshd" else 1]
+    out = torch.ones(3, batch, heads_kv, dtype=torch.float32, device=q.device)
+    for i, (name, d) in enumerate(zip(("q_descale", "k_descale", "v_descale"), descales)):
+        if d is None:
+            continue
+        if not isinstance(d, torch.Tensor) or d.shape != (batch, heads_kv) or not d.is_floating_point():
+            raise InvalidInputError(f"{name} must be a float tensor of shape (batch, heads_kv) = ({batch}, {heads_kv}), "
+                                    f"got {getattr(d, 'shape', type(d).__name__)}")
+        out[i] = d.to(device=q.device, dtype=torch.float32)
+    return out
 
 
 def _traced(q, k, v, causal, scale, dropout_p, layout, return_lse, backend):

@@ -12,7 +12,7 @@ def test_explain_h100_fp32_shows_fallback(capsys):
                  "--heads", "32", "--kv-heads", "8"]) == 0
     out = capsys.readouterr().out
     assert "fp32 b=1 h=32/8kv nq=4096 nk=4096 d=128 on sm90 (NVIDIA H100 80GB HBM3)" in out
-    assert "fallback: cute_sm90 is preferred on sm90 but dtype fp32 is not supported; supports bf16, fp16" in out
+    assert "fallback: cute_sm90 is preferred on sm90 but dtype fp32 is not supported; supports bf16, fp16, fp8" in out
     assert "forward : sdpa" in out
     assert "triton_fa2  rejected  dtype fp32 is not supported; supports bf16, fp16" in out
 

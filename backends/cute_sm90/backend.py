@@ -33,7 +33,7 @@ class CuteSm90Backend(Backend):
     support = Support(
         vendors=frozenset({"nvidia"}),
         archs=frozenset({"sm90"}),
-        dtypes=frozenset({"fp16", "bf16"}),
+        dtypes=frozenset({"fp16", "bf16", "fp8"}),  # fp8 = e4m3 in (with descales), bf16 out
         max_head_dim=max(variants.HEAD_DIMS),
         dropout=False,  # no Philox mask in the kernel; sdpa serves dropout
         backward=False,  # triton_fa2's backward runs from this forward's LSE
@@ -47,7 +47,7 @@ class CuteSm90Backend(Backend):
 
     @staticmethod
     def _kind(problem: Problem) -> str:
-        return "16bit"
+        return "fp8" if problem.dtype == "fp8" else "16bit"
 
     def supports(self, problem: Problem) -> list[str]:
         reasons = self.support.reasons(problem)
@@ -81,17 +81,24 @@ class CuteSm90Backend(Backend):
     @functools.lru_cache(maxsize=None)
     def module(dtype: torch.dtype, head_dim: int) -> str:
         """The generated module of the picked variant (cached: forward() runs on every call)."""
-        kind = "16bit"
+        kind = "fp8" if dtype == torch.float8_e4m3fn else "16bit"
         tile, reasons = variants.pick(kind, head_dim)
         if tile is None:  # supports() said so first; this guards direct calls
             raise RuntimeError("; ".join(reasons))
         return tile.module(head_dim, kind)
 
-    def forward(self, q, k, v, *, causal, scale, dropout_p, **mask):
-        q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-        dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
+    def forward(self, q, k, v, *, causal, scale, dropout_p, descale=None, **mask):
+        q, k = _tma_ready(q), _tma_ready(k)
+        dtype = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}[q.dtype]
         kernel = cc.compiled(self.module(q.dtype, q.shape[-1]), dtype, causal)
-        out = torch.empty_like(q)  # q's strides when q is dense, else contiguous: TMA-ready either way
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        kernel(q, k, v, out, lse, scale * 1.4426950408889634)  # log2(e): the kernel works in exp2
+        scale_log2 = scale * 1.4426950408889634  # log2(e): the kernel works in exp2
+        if dtype == "fp8":
+            out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+            if descale is None:
+                descale = torch.ones(3, k.shape[0], k.shape[1], dtype=torch.float32, device=q.device)
+            kernel(q, k, cc.prepare_v_fp8(v), out, lse, descale, scale_log2)
+        else:
+            out = torch.empty_like(q)  # q's strides when q is dense, else contiguous: TMA-ready either way
+            kernel(q, k, _tma_ready(v), out, lse, scale_log2)
         return out, lse

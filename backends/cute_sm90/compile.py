@@ -26,7 +26,8 @@ from ...codegen.build import _locked, default_cache_dir
 ARCH = "sm_90a"
 GENERATED = f"{__package__}._generated"
 EXPORTED_NAME = "attnforge_fwd"
-DTYPES = ("fp16", "bf16")
+DTYPES = ("fp16", "bf16", "fp8")
+KIND = {"fp16": "16bit", "bf16": "16bit", "fp8": "fp8"}
 
 _compiled: dict[tuple, object] = {}
 _lock = threading.Lock()
@@ -56,24 +57,65 @@ def kernel_module(module: str):
     return importlib.import_module(f"{GENERATED}.{module}")
 
 
+def elements(dtype: str):
+    """(input, output) CuTe element types: FP8 (e4m3) in gives bf16 out."""
+    cutlass = import_cutlass()
+    element = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "fp8": cutlass.Float8E4M3FN}[dtype]
+    return element, (cutlass.BFloat16 if dtype == "fp8" else element)
+
+
 def fake_arguments(dtype: str, head_dim: int):
-    """Fake (q, k, v, out, lse, scale_log2, stream) for cute.compile: (batch, heads, seqlen, head_dim)
-    with symbolic sizes and strides (16-byte aligned rows, as TMA needs), fp32 LSE (batch, heads, seqlen)."""
+    """Fake arguments for cute.compile: q, k, v, out (batch, heads, seqlen, head_dim) with symbolic sizes
+    and strides (16-byte aligned rows, as TMA needs), fp32 LSE (batch, heads, seqlen), then for FP8
+    the descales (3, batch, heads_kv) in fp32, then scale_log2 and the stream. FP8's v is V^T
+    (batch, heads_kv, head_dim, seqlen_k padded to 32): see prepare_v_fp8."""
     cutlass = import_cutlass()
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    element = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[dtype]
-    batch, heads_q, heads_kv, seqlen_q, seqlen_k = (cute.sym_int32() for _ in range(5))
+    element, out_element = elements(dtype)
+    batch, heads_q, heads_kv, seqlen_q, seqlen_k, seqlen_v = (cute.sym_int32() for _ in range(6))
 
-    def tensor(heads, seqlen):
-        strides = [cute.sym_int64(divisibility=16 // (element.width // 8)) for _ in range(3)]
-        return make_fake_tensor(element, (batch, heads, seqlen, head_dim), (*strides, 1), assumed_align=16)
+    def tensor(elem, *shape):
+        strides = [cute.sym_int64(divisibility=16 // (elem.width // 8)) for _ in range(3)]
+        return make_fake_tensor(elem, shape, (*strides, 1), assumed_align=16)
 
     lse = make_fake_tensor(cutlass.Float32, (batch, heads_q, seqlen_q), (cute.sym_int64(), cute.sym_int64(), 1),
                            assumed_align=4)
-    return (tensor(heads_q, seqlen_q), tensor(heads_kv, seqlen_k), tensor(heads_kv, seqlen_k),
-            tensor(heads_q, seqlen_q), lse, cutlass.Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+    q, k = tensor(element, batch, heads_q, seqlen_q, head_dim), tensor(element, batch, heads_kv, seqlen_k, head_dim)
+    out = tensor(out_element, batch, heads_q, seqlen_q, head_dim)
+    tail = (cutlass.Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+    if dtype != "fp8":
+        return (q, k, tensor(element, batch, heads_kv, seqlen_k, head_dim), out, lse, *tail)
+    v_t = tensor(element, batch, heads_kv, head_dim, seqlen_v)
+    descale = make_fake_tensor(cutlass.Float32, (3, batch, heads_kv), (cute.sym_int64(), cute.sym_int64(), 1),
+                               assumed_align=4)
+    return (q, k, v_t, out, lse, descale, *tail)
+
+
+# FP8: the key order within every 32-key block of V^T that fp8_p_operand (in the template) expects:
+# slot k holds key 2c + k%2 + 8*((k%4)//2) + 16*(k//16) with c = (k%16)//4.
+FP8_KEY_ORDER = tuple(2 * ((k % 16) // 4) + k % 2 + 8 * ((k % 4) // 2) + 16 * (k // 16) for k in range(32))
+_key_index: dict[tuple, object] = {}
+
+
+def prepare_v_fp8(v):
+    """V (batch, heads_kv, seqlen_k, head_dim) e4m3 -> V^T (batch, heads_kv, head_dim, seqlen_k padded to
+    32) with keys in FP8_KEY_ORDER: FP8 WGMMA wants both operands K-major (keys contiguous for P @ V).
+    One gather pass over V (its cost is measured in benchmarks/results/)."""
+    import torch
+
+    n = v.shape[2]
+    padded = -(-n // 32) * 32
+    key = (v.device, padded)
+    index = _key_index.get(key)
+    if index is None:
+        order = torch.tensor(FP8_KEY_ORDER, device=v.device)
+        index = _key_index[key] = (torch.arange(0, padded, 32, device=v.device)[:, None] + order).flatten()
+    raw = v.view(torch.uint8)  # indexing and padding kernels are not all built for float8 dtypes
+    if padded != n:  # zero keys: masked in S, and 0 * V adds nothing
+        raw = torch.nn.functional.pad(raw, (0, 0, 0, padded - n))
+    return raw.transpose(2, 3)[..., index].view(v.dtype)
 
 
 def compile_kernel(module: str, dtype: str, causal: bool, dump_dir: str | None = None):
@@ -86,12 +128,12 @@ def compile_module(mod, dtype: str, causal: bool, dump_dir: str | None = None):
     cutlass = import_cutlass()
     import cutlass.cute as cute
 
-    element = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16}[dtype]
+    element, out_element = elements(dtype)
     options = f"--enable-tvm-ffi --gpu-arch {ARCH}"
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)  # the DSL writes nothing, silently, into a missing directory
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
-    return cute.compile(mod.Forward(element, element, causal), *fake_arguments(dtype, mod.HEAD_DIM), options=options)
+    return cute.compile(mod.Forward(element, out_element, causal), *fake_arguments(dtype, mod.HEAD_DIM), options=options)
 
 
 def cache_key(module: str, dtype: str, causal: bool) -> str:

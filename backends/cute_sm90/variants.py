@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 HEAD_DIMS = (64, 128, 256)
-KINDS = ("16bit",)  # fp16/bf16 in, same out
+KINDS = ("16bit", "fp8")  # fp16/bf16 in, same out; e4m3 in (with descales), bf16 out
 SMEM_BYTES = 232448  # 227 KiB, the sm90 opt-in maximum per block
 REGISTERS_PER_SM = 65536
 ELEMENT_BYTES = {"16bit": 2, "fp8": 1}
@@ -47,10 +47,11 @@ class Sm90FwdTile:
         tiles = self.tile_m * head_dim + 2 * self.kv_stages * self.tile_n * head_dim  # Q, K and V stages
         return ELEMENT_BYTES[kind] * tiles + 8 * (2 + 4 * self.kv_stages) + 1024  # mbarriers, alignment
 
-    def registers_needed(self, head_dim: int) -> int:
-        """Per consumer thread: S (64 x tile_n fp32), O (64 x head_dim fp32) and P (16-bit, two per
-        register) over a warpgroup's 128 threads, plus REGISTER_OVERHEAD."""
-        return (64 * self.tile_n + 64 * head_dim + 64 * self.tile_n // 2) // 128 + REGISTER_OVERHEAD
+    def registers_needed(self, head_dim: int, kind: str = "16bit") -> int:
+        """Per consumer thread: S (64 x tile_n fp32), O (64 x head_dim fp32) and P (16-bit: two per
+        register; fp8: four) over a warpgroup's 128 threads, plus REGISTER_OVERHEAD."""
+        p_per_register = 4 // ELEMENT_BYTES[kind]
+        return (64 * self.tile_n + 64 * head_dim + 64 * self.tile_n // p_per_register) // 128 + REGISTER_OVERHEAD
 
     def describe(self, head_dim: int | None = None) -> str:
         return (f"{self.tile_m}x{self.tile_n} s{self.kv_stages} {self.consumer_warpgroups} consumer warpgroups"
@@ -70,6 +71,8 @@ def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
         reasons.append(f"{name}: tile_m must be 64 x consumer warpgroups (1-3), one WGMMA row block each")
     if tile.tile_n % 16 or not 16 <= tile.tile_n <= 256:
         reasons.append(f"{name}: tile_n must be a multiple of 16 in [16, 256] (WGMMA N; P feeds P @ V in 16-key steps)")
+    if kind == "fp8" and tile.tile_n % 32:
+        reasons.append(f"{name}: FP8 needs tile_n a multiple of 32 (the e4m3 WGMMA's K step)")
     if tile.kv_stages < 1:
         reasons.append(f"{name}: needs at least one K/V stage")
     if tile.pingpong and tile.consumer_warpgroups < 2:
@@ -85,9 +88,9 @@ def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
     total = 128 * (tile.producer_registers + tile.consumer_warpgroups * tile.consumer_registers)
     if total > REGISTERS_PER_SM:
         reasons.append(f"{name}: {total} registers per CTA > {REGISTERS_PER_SM}")
-    if tile.registers_needed(head_dim) > tile.consumer_registers:
-        reasons.append(f"{name} at head_dim {head_dim} needs ~{tile.registers_needed(head_dim)} registers per consumer "
-                       f"thread, has {tile.consumer_registers}")
+    if tile.registers_needed(head_dim, kind) > tile.consumer_registers:
+        reasons.append(f"{name} at head_dim {head_dim} needs ~{tile.registers_needed(head_dim, kind)} registers per "
+                       f"consumer thread, has {tile.consumer_registers}")
     return reasons
 
 
@@ -105,6 +108,14 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
         # FA3's 128x80 at d=256 vs 128x64: 638/562 vs 645/578 TFLOP/s at N=16k (full/causal), 608 vs 619
         # at N=4k (H200 sweep, benchmarks/results/2026-11-29-h200-cute_sm90/sweep.json).
         256: [Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 80, 2, **_2WG)],
+    },
+    # FP8 (e4m3 in, bf16 out): the 16-bit kernel's 128x128 structure to start from; FA3 uses 128x224
+    # at d=128 (not yet swept here).
+    "fp8": {
+        64: [Sm90FwdTile(128, 128, 2, **_2WG)],
+        128: [Sm90FwdTile(128, 128, 2, **_2WG)],
+        # 128x128 spills 56 bytes at d=256 (ptxas, CuTe DSL 4.8.1): 128x64 first.
+        256: [Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 128, 2, **_2WG)],
     },
 }
 

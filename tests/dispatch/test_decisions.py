@@ -30,6 +30,9 @@ def test_decision_matrix_follows_declarations(device, dtype, head_dim, needs_gra
             assert c.verdict == ABSENT and c.reasons == ("not in this build of attnforge",)
             continue
         declared = built[c.backend].supports(d.problem) or built[c.backend].passed_over(d.problem)
+        if not declared and needs_grad and not built[c.backend].autograd_native and not any(
+                not (b.supports_backward(d.problem) or b.autograd_native) for b in built.values()):
+            declared = ["no backend can run the backward after its forward (see the backward candidates)"]
         if declared:  # every rejection carries the backend's own sentences, and nothing is skipped
             assert c.verdict == REJECTED and list(c.reasons) == declared
             assert all(isinstance(r, str) and len(r) > 10 for r in c.reasons)
@@ -46,8 +49,11 @@ def test_decision_matrix_follows_declarations(device, dtype, head_dim, needs_gra
 
 
 @pytest.mark.parametrize("device", PROFILES)
-def test_fp8_is_refused_with_reasons_until_a_backend_serves_it(device):
+def test_fp8_is_served_on_hopper_only_and_refused_with_reasons_elsewhere(device):
     d = explain(device=device, dtype="fp8", head_dim=128, seqlen_q=4096)
+    if PROFILES[device].arch == "sm90":
+        assert d.forward.backend == "cute_sm90" and d.ok
+        return
     assert d.forward.backend is None and not d.ok
     for c in d.forward.candidates:
         if c.verdict == REJECTED:
@@ -59,7 +65,7 @@ def test_h100_fp32_shows_the_fallback_and_why():
     d = explain(device="H100", dtype="fp32", head_dim=128, seqlen_q=4096, heads=32, kv_heads=8)
     assert d.forward.backend == "sdpa" and d.fallback and d.preferred == "cute_sm90"
     text = str(d)
-    assert "fallback: cute_sm90 is preferred on sm90 but dtype fp32 is not supported; supports bf16, fp16" in text
+    assert "fallback: cute_sm90 is preferred on sm90 but dtype fp32 is not supported; supports bf16, fp16, fp8" in text
     assert "kernel chosen by torch at run time (device not present to ask)" in text
 
 

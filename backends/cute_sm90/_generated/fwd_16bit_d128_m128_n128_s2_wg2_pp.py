@@ -37,6 +37,10 @@ CONSUMER_WARPGROUPS = 2
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 PINGPONG = True  # the consumer warpgroups take turns issuing GEMMs (named barriers)
+FP8 = False  # e4m3 Q, K, V with per-(batch, kv head) descales; V arrives transposed (see below)
+# FP8: P is computed as 2^8 * softmax so that small probabilities keep precision in e4m3 (FlashAttention-4
+# pre-scales P by 2^8 for FP8); row sums carry the same factor, so O is unchanged and LSE subtracts 8.
+P_EXPONENT_BIAS = 8.0 if FP8 else 0.0
 THREADS_PER_WG = 128
 SCHEDULER_BARRIER_BASE = 1  # named barriers 1..CONSUMER_WARPGROUPS; 0 is __syncthreads
 
@@ -56,6 +60,23 @@ def acc_as_operand_a(layout):
                             stride=((d[0][0], d[0][1], d[0][2]), d[1], (d[0][2] * 2, d[2])))
 
 
+def fp8_p_operand(acc_S, rP):
+    """FP8: write softmax P (fp32, accumulator layout) into the A operand of the P @ V WGMMA (e4m3).
+
+    An 8-bit A fragment wants, per thread and 32-key block, keys 4c..4c+3 and 16+4c..19+4c (c = lane % 4);
+    the accumulator holds keys 2c, 2c+1, 8+2c, 9+2c, 16+2c, 17+2c, 24+2c, 25+2c. Rather than shuffle
+    registers between lanes, slot k gets key pi(k) = 2c + k%2 + 8*(k%4 // 2) + 16*(k // 16) of the
+    thread's own values, and V^T arrives with its keys permuted by the same pi in every 32-key block
+    (compile.py's prepare_v_fp8), so sum_k P[pi(k)] V[pi(k)] is the product unchanged."""
+    staged = cute.make_rmem_tensor(rP.shape, Float32)
+    for kb in range(cute.size(rP, mode=[2])):  # plain Python loops: unrolled while tracing
+        for v2 in range(2):
+            for v1 in range(2):
+                for v0 in range(4):
+                    staged[(v0, v1, v2), 0, kb] = acc_S[(v0 % 2, v1, 4 * kb + v0 // 2 + 2 * v2), 0, 0]
+    rP.store(staged.load().to(rP.element_type))
+
+
 def gemm(tiled_mma, acc, a_frag, b_frag, zero_init):
     """Issue one warpgroup GEMM over all k-blocks and commit it (does not wait)."""
     warpgroup.fence()
@@ -68,7 +89,9 @@ def gemm(tiled_mma, acc, a_frag, b_frag, zero_init):
 
 
 class Forward:
-    """The kernel for one (dtype, out_dtype, causal); __call__ is the host side cute.compile traces."""
+    """The kernel for one (dtype, out_dtype, causal); __call__ is the host side cute.compile traces.
+    FP8: V comes as V^T (batch, heads_kv, head_dim, seqlen_k padded to 32) with keys permuted (see
+    fp8_p_operand), and mDescale (3, batch, heads_kv) holds the q, k and v descales in fp32."""
 
     def __init__(self, dtype, out_dtype, causal: bool):
         self.dtype = dtype
@@ -78,7 +101,8 @@ class Forward:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, scale_log2: Float32, stream: cuda.CUstream):
-        # torch order (b, h, s, d) -> (s, d, h, b); LSE (b, h, s) -> (s, h, b)
+        mDescale = None
+        # torch order (b, h, s, d) -> (s, d, h, b); LSE (b, h, s) -> (s, h, b); FP8 V^T (b, h, d, s) -> (d, s, h, b)
         mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
                           for t in (mQ, mK, mV, mO)]
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
@@ -86,20 +110,25 @@ class Forward:
         mnk = (TILE_M, TILE_N, HEAD_DIM)
         sQ_layout = cute.slice_(sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, mnk, self.dtype, 1), (None, None, 0))
         sK_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, mnk, self.dtype, KV_STAGES)
-        sV_layout = sK_layout  # V is stored like K, (TILE_N, HEAD_DIM) with d contiguous
+        if const_expr(FP8):  # V^T tiles (HEAD_DIM, TILE_N), keys contiguous: the K-major B operand FP8 WGMMA needs
+            sV_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, HEAD_DIM, TILE_N), self.dtype, KV_STAGES)
+        else:  # V is stored like K, (TILE_N, HEAD_DIM) with d contiguous; P @ V reads it MN-major
+            sV_layout = sK_layout
 
         tiled_mma_qk = sm90.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, (CONSUMER_WARPGROUPS, 1, 1), (64, TILE_N))
         tiled_mma_pv = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K if const_expr(FP8) else cute.nvgpu.OperandMajorMode.MN,
             Float32, (CONSUMER_WARPGROUPS, 1, 1), (64, HEAD_DIM), warpgroup.OperandSource.RMEM)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (TILE_M, HEAD_DIM))
         sK_one = cute.slice_(sK_layout, (None, None, 0))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_one, (TILE_N, HEAD_DIM))
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sK_one, (TILE_N, HEAD_DIM))
+        sV_one = cute.slice_(sV_layout, (None, None, 0))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_one, (HEAD_DIM, TILE_N) if const_expr(FP8) else (TILE_N, HEAD_DIM))
 
         @cute.struct
         class Storage:
@@ -114,16 +143,17 @@ class Forward:
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.kv_bytes = cute.size_in_bytes(self.dtype, sK_one)
         grid = (cute.ceil_div(mQ.shape[0], TILE_M), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
-        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, mO, mLSE,
-                    sQ_layout, sK_layout, scale_log2).launch(
+        self.kernel(tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, mO, mLSE, mDescale,
+                    sQ_layout, sK_layout, sV_layout, scale_log2).launch(
             grid=grid, block=[THREADS_PER_WG * (1 + CONSUMER_WARPGROUPS), 1, 1],
             stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
-               tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, scale_log2: Float32):
+               tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mDescale,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               scale_log2: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bidx, head, batch = cute.arch.block_idx()
@@ -137,7 +167,7 @@ class Forward:
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -171,16 +201,23 @@ class Forward:
                           m_block, head, head_kv, batch, n_block_max)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            v_scale = Float32(1.0)
+            if const_expr(FP8):  # dequantisation: S scales by q_descale * k_descale, O by v_descale
+                scale_log2 = scale_log2 * mDescale[0, batch, head_kv] * mDescale[1, batch, head_kv]
+                v_scale = mDescale[2, batch, head_kv]
             self.consume(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mLSE, pipe_q, pipe_k, pipe_v,
                          tidx - THREADS_PER_WG, m_block, head, batch, seqlen_q, seqlen_k, n_block_max,
-                         scale_log2)
+                         scale_log2, v_scale)
 
     @cute.jit
     def load(self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
              m_block, head, head_kv, batch, n_block_max):
         gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, HEAD_DIM), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, HEAD_DIM), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, HEAD_DIM), (None, 0))
+        if const_expr(FP8):
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (HEAD_DIM, TILE_N), (0, None))
+        else:
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, HEAD_DIM), (None, 0))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
@@ -203,14 +240,16 @@ class Forward:
 
     @cute.jit
     def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mLSE, pipe_q, pipe_k, pipe_v,
-                tidx, m_block, head, batch, seqlen_q, seqlen_k, n_block_max, scale_log2):
+                tidx, m_block, head, batch, seqlen_q, seqlen_k, n_block_max, scale_log2, v_scale):
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         thr_qk = tiled_mma_qk.get_slice(tidx)
         wg_qk = tiled_mma_qk.get_slice(wg * THREADS_PER_WG)
         wg_pv = tiled_mma_pv.get_slice(wg * THREADS_PER_WG)
         thr_pv = tiled_mma_pv.get_slice(tidx)
-        # P @ V reads V as (d, keys): the same smem, transposed view (MN-major B operand)
-        sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, TILE_N, KV_STAGES), order=(1, 0, 2)))
+        if const_expr(FP8):  # already (d, keys), K-major
+            sVt = sV
+        else:  # P @ V reads V as (d, keys): the same smem, transposed view (MN-major B operand)
+            sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, TILE_N, KV_STAGES), order=(1, 0, 2)))
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
@@ -243,9 +282,8 @@ class Forward:
             pipe_k.consumer_release(state)
             self.mask(acc_S, tScS, m_block, n_block_max - 1, seqlen_q, seqlen_k, True)
             self.online_softmax(acc_S, row_max, row_sum, acc_O, scale_log2, True)
-            p_view = cute.make_tensor(acc_S.iterator, acc_as_operand_a(acc_S.layout))
-            rP = cute.make_rmem_tensor_like(p_view, self.dtype)  # P, the A operand of P @ V, in registers
-            rP.store(p_view.load().to(self.dtype))
+            rP = cute.make_rmem_tensor(thr_pv.partition_shape_A((TILE_M, TILE_N)), self.dtype)  # P, A of P @ V
+            self.to_p_operand(acc_S, rP)
 
             # blocks that need the causal mask, then the rest
             n_mask_start = n_block_max - 1
@@ -268,7 +306,7 @@ class Forward:
             pipe_v.consumer_release(state)
 
         self.epilogue(acc_O, row_max, row_sum, thr_pv, tScS, mO, mLSE, tidx, m_block, head, batch,
-                      seqlen_q, scale_log2)
+                      seqlen_q, scale_log2, v_scale)
 
     @cute.jit
     def step(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, rP, acc_O, row_max, row_sum,
@@ -296,9 +334,16 @@ class Forward:
         row_scale = self.online_softmax(acc_S, row_max, row_sum, acc_O, scale_log2, False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
-        rP.store(cute.make_tensor(acc_S.iterator, acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
+        self.to_p_operand(acc_S, rP)
         self.rescale(acc_O, row_scale)
         return state
+
+    @cute.jit
+    def to_p_operand(self, acc_S, rP):
+        if const_expr(FP8):
+            fp8_p_operand(acc_S, rP)
+        else:
+            rP.store(cute.make_tensor(acc_S.iterator, acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
 
     @cute.jit
     def mask(self, acc_S, tScS, m_block, n_block, seqlen_q, seqlen_k, mask_seqlen: cutlass.Constexpr):
@@ -331,8 +376,9 @@ class Forward:
             max_scaled = safe_max * scale_log2
             row_scale[r] = cute.math.exp2(row_max[r] * scale_log2 - max_scaled, fastmath=True)
             row_max[r] = new_max
+            p_offset = max_scaled - P_EXPONENT_BIAS
             for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - max_scaled, fastmath=True)
+                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - p_offset, fastmath=True)
             block_sum = s[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             if const_expr(first):
                 row_sum[r] = block_sum
@@ -349,7 +395,7 @@ class Forward:
 
     @cute.jit
     def epilogue(self, acc_O, row_max, row_sum, thr_pv, tScS, mO, mLSE, tidx, m_block, head, batch,
-                 seqlen_q, scale_log2):
+                 seqlen_q, scale_log2, v_scale):
         o = cute.make_tensor(acc_O.iterator, acc_rows_cols(acc_O.layout))
         lse = cute.make_rmem_tensor_like(row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
@@ -358,8 +404,8 @@ class Forward:
             inv = Float32(0.0)
             lse[r] = -Float32.inf
             if total > 0.0:
-                inv = cute.arch.rcp_approx(total)
-                lse[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * math.log(2.0)
+                inv = cute.arch.rcp_approx(total) * v_scale
+                lse[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True) - P_EXPONENT_BIAS) * math.log(2.0)
             for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
                 o[r, c] = o[r, c] * inv
         rO = cute.make_rmem_tensor_like(acc_O, self.out_dtype)

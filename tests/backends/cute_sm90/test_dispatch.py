@@ -19,7 +19,7 @@ def test_hopper_chooses_cute_sm90_and_triton_fa2_runs_the_backward(device, dtype
 
 
 @pytest.mark.parametrize(("kw", "reason"), [
-    (dict(dtype="fp32", head_dim=128), "dtype fp32 is not supported; supports bf16, fp16"),
+    (dict(dtype="fp32", head_dim=128), "dtype fp32 is not supported; supports bf16, fp16, fp8"),
     (dict(dtype="bf16", head_dim=512), "head_dim 512 > 256"),
     (dict(dtype="bf16", head_dim=96), "head_dim 96 has no cute_sm90 kernel (has 64, 128, 256)"),
     (dict(dtype="bf16", head_dim=128, dropout_p=0.1), "dropout_p > 0 is not supported"),

@@ -6,11 +6,17 @@ from attnforge.backends.cute_sm90 import variants
 from attnforge.backends.cute_sm90.variants import Sm90FwdTile, check
 
 
-def test_every_head_dim_has_a_valid_pick():
+@pytest.mark.parametrize("kind", variants.KINDS)
+def test_every_head_dim_has_a_valid_pick(kind):
     for head_dim in variants.HEAD_DIMS:
-        tile, reasons = variants.pick("16bit", head_dim)
-        assert tile is not None and not reasons and not check(tile, head_dim)
-    assert [(k, d) for k, d, _ in variants.picks()] == [("16bit", d) for d in variants.HEAD_DIMS]
+        tile, reasons = variants.pick(kind, head_dim)
+        assert tile is not None and not reasons and not check(tile, head_dim, kind)
+    assert [(k, d) for k, d, _ in variants.picks()] == [(k, d) for k in variants.KINDS for d in variants.HEAD_DIMS]
+
+
+def test_fp8_needs_32_key_blocks():
+    assert any("FP8 needs tile_n a multiple of 32" in r for r in check(Sm90FwdTile(128, 80), 128, "fp8"))
+    assert not check(Sm90FwdTile(128, 80), 128, "16bit")
 
 
 @pytest.mark.parametrize(("tile", "head_dim", "needle"), [
