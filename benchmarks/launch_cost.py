@@ -42,9 +42,11 @@ def main() -> None:
     args = p.parse_args()
     q, k, v = (torch.randn(1, 8, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     impls = {"attnforge.attention (auto)": lambda: attnforge.attention(q, k, v),
+             "attnforge.attention, cute_sm90": lambda: attnforge.attention(q, k, v, backend="cute_sm90"),
+             "attnforge.attention, triton_fa2": lambda: attnforge.attention(q, k, v, backend="triton_fa2"),
              "sdpa": lambda: F.scaled_dot_product_attention(q, k, v)}
     decision = attnforge.explain(q, k, v)
-    if decision.forward.backend == "cute_sm90":
+    if torch.cuda.get_device_capability() == (9, 0):
         from attnforge.backends.cute_sm90 import compile as cc
         from attnforge.dispatch import registered
 

@@ -12,6 +12,8 @@ export PYTHONPATH=/tmp/af:$PYTHONPATH TRITON_DEFAULT_FP_FUSION=1 PYTHONUNBUFFERE
 if [ "${2:-tests}" = tests ]; then
   echo "=== tests" | tee "$out/log.txt"
   python3 -m pytest tests/backends/cute_sm90 -q -p no:cacheprovider 2>&1 | tail -n 12 | tee -a "$out/log.txt"
+  echo "=== fp8 errors" | tee -a "$out/log.txt"
+  python3 benchmarks/fp8_errors.py 2>&1 | grep -v Warning | tee -a "$out/log.txt"
   echo "=== launch cost" | tee -a "$out/log.txt"
   python3 benchmarks/launch_cost.py --json "$out/launch_cost.json" 2>&1 | grep -v Warning | tee -a "$out/log.txt"
 else

@@ -121,9 +121,10 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
 
 
 # Where triton_fa2 measured faster on the H200 (benchmarks/results/2026-11-29-h200-cute_sm90/bench.json,
-# forward bf16): at d=64, N=1024: 332 vs 289 TFLOP/s (causal 222 vs 202); at N=4096 they tie (402 vs
-# 398). (kind, head_dim) -> the seqlen_k from which cute_sm90 is at least as fast.
-TRITON_FASTER_BELOW = {("16bit", 64): 4096}
+# forward bf16, 16k tokens): at d=64, N=1024: 332 vs 289 TFLOP/s (causal 222 vs 202); at N=4096 they
+# tie (402 vs 398). Shorter sequences were not timed that way: there the launch path dominates, and
+# cute_sm90's is the cheaper one (benchmarks/launch_cost.py). (kind, head_dim) -> [from, below) seqlen_k.
+TRITON_FASTER = {("16bit", 64): (1024, 4096)}
 
 
 def pick(kind: str, head_dim: int) -> tuple[Sm90FwdTile | None, list[str]]:

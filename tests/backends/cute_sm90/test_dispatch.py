@@ -51,8 +51,9 @@ def test_shapes_where_triton_fa2_measured_faster_go_there_unless_forced():
     d = explain(device="H200", dtype="bf16", head_dim=64, seqlen_q=1024)
     assert d.forward.backend == "triton_fa2"
     (reason,) = d.forward.reasons_of("cute_sm90")
-    assert reason.startswith("triton_fa2 measured faster at head_dim 64 with seqlen_k < 4096")
+    assert reason.startswith("triton_fa2 measured faster at head_dim 64 with 1024 <= seqlen_k < 4096")
     assert explain(device="H200", dtype="bf16", head_dim=64, seqlen_q=4096).forward.backend == "cute_sm90"
+    assert explain(device="H200", dtype="bf16", head_dim=64, seqlen_q=128).forward.backend == "cute_sm90"
     assert explain(device="H200", dtype="bf16", head_dim=128, seqlen_q=1024).forward.backend == "cute_sm90"
     forced = explain(device="H200", dtype="bf16", head_dim=64, seqlen_q=1024, backend="cute_sm90")
     assert forced.forward.backend == "cute_sm90"

@@ -44,32 +44,46 @@ def test_poisoned_outputs_match_fp64(shape, dtype, causal, head_dim, gen):
 
 
 FP8_SHAPES = [(1, 2, 2, 1, 1), (2, 4, 2, 113, 1023), (1, 4, 1, 1023, 113), (1, 8, 8, 1024, 1024)]
-# cuDNN 9.19's FP8 attention on the H200: 0.037 relative Frobenius error against fp32 math on the
-# dequantised inputs (../shared/DESIGN.md); ours must do no worse.
-CUDNN_FP8_ERROR = 0.037
 
 
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_fp8_with_descales_matches_fp64_on_the_dequantised_inputs(shape, causal, head_dim, gen):
+    """Error against fp64 math on the dequantised inputs at most 1.2x that of PyTorch rounding P to
+    e4m3 the same way (testing.fp8_peer): FP8's own error, not a hand-loosened bound."""
     import attnforge
-    from attnforge.testing import rel_error
+    from attnforge.testing import fp8_peer, rel_error
 
     b, hq, hkv, nq, nk = shape
     x = [torch.randn(b, h, n, head_dim, generator=gen).to("cuda") for h, n in ((hq, nq), (hkv, nk), (hkv, nk))]
     # per-(batch, kv head) scales as a quantiser would pick them: amax / 448 (e4m3's largest normal)
-    descale = [(t.view(b, hkv, -1).abs().amax(-1) / 448).float() for t in
-               (x[0].view(b, hkv, -1), x[1], x[2])]
-    group = hq // hkv
-    fp8 = [(t / d.repeat_interleave(h // hkv, 1)[:, :, None, None]).to(torch.float8_e4m3fn)
-           for t, d, h in zip(x, descale, (hq, hkv, hkv))]
-    dq = [f.float() * d.repeat_interleave(h // hkv, 1)[:, :, None, None] for f, d, h in zip(fp8, descale, (hq, hkv, hkv))]
+    descale = [(t.reshape(b, hkv, -1).abs().amax(-1) / 448).float() for t in x]
+    per_head = [d.repeat_interleave(t.shape[1] // hkv, 1)[:, :, None, None] for d, t in zip(descale, x)]
+    fp8 = [(t / d).to(torch.float8_e4m3fn) for t, d in zip(x, per_head)]
+    deq = [f.float() * d for f, d in zip(fp8, per_head)]
     out, lse = attnforge.attention(*fp8, causal=causal, return_lse=True, q_descale=descale[0], k_descale=descale[1],
                                    v_descale=descale[2], backend="cute_sm90")
-    assert out.dtype == torch.bfloat16 and not out.isnan().any() and group >= 1
-    ref, ref_lse, _ = oracle(*dq, causal=causal)
-    assert rel_error(out, ref) <= CUDNN_FP8_ERROR, rel_error(out, ref)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    ref, ref_lse, _ = oracle(*deq, causal=causal)
+    inherent = rel_error(fp8_peer(*deq, causal=causal), ref)
+    assert rel_error(out, ref) <= 1.2 * inherent + 1e-3, (rel_error(out, ref), inherent)
     assert_close("lse", lse, ref_lse, ref_lse.float(), ulps=4 * math.sqrt(max(nk, head_dim)))
     if causal and nq > nk:
         assert (out[:, :, :nq - nk] == 0).all()
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_fp8_kernel_writes_every_element(causal, gen):
+    """The FP8 kernel called directly with NaN-poisoned outputs: odd lengths, GQA."""
+    from attnforge.backends.cute_sm90 import compile as cc
+    from attnforge.dispatch import registered
+
+    b, hq, hkv, nq, nk, d = 2, 6, 2, 333, 517, 128
+    q, k, v = (torch.randn(b, h, n, d, generator=gen).to("cuda").to(torch.float8_e4m3fn)
+               for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    out = torch.full((b, hq, nq, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((b, hq, nq), float("nan"), device="cuda")
+    kernel = cc.compiled(registered()["cute_sm90"].module(torch.float8_e4m3fn, d), "fp8", causal)
+    kernel(q, k, cc.prepare_v_fp8(v), out, lse, torch.ones(3, b, hkv, device="cuda"), d ** -0.5 * math.log2(math.e))
+    assert not out.isnan().any() and not lse.isnan().any()
