@@ -49,8 +49,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     FP8 (float8_e4m3fn q, k, v): the output is bf16, and ``q_descale``/``k_descale``/``v_descale``
     (fp32, (batch, heads_kv), default 1) dequantise: the result is attention of descale * x.
     """
-    descales = (q_descale, k_descale, v_descale)
-    if any(d is not None for d in descales) or q.dtype == torch.float8_e4m3fn:
+    if q_descale is not None or k_descale is not None or v_descale is not None or q.dtype == torch.float8_e4m3fn:
+        descales = (q_descale, k_descale, v_descale)
         if torch.compiler.is_compiling():
             raise InvalidInputError("fp8 attention inside torch.compile is not supported yet; call it eagerly")
         descale = _fp8_descale(q, k, descales, layout)

@@ -32,12 +32,18 @@ CANDIDATES = {
           Sm90FwdTile(128, 128, 2, pingpong=False, **_2WG), Sm90FwdTile(128, 160, 2, **_2WG)],
     256: [Sm90FwdTile(128, 80, 2, **_2WG), Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 96, 2, **_2WG)],
 }
+FP8_CANDIDATES = {  # FA3 uses 128x224 at d=128 for FP8; 224 is not a multiple of 32 here
+    64: [Sm90FwdTile(128, 128, 2, **_2WG), Sm90FwdTile(128, 192, 2, **_2WG), Sm90FwdTile(192, 128, 2, **_3WG)],
+    128: [Sm90FwdTile(128, 128, 2, **_2WG), Sm90FwdTile(128, 160, 2, **_2WG), Sm90FwdTile(128, 192, 2, **_2WG),
+          Sm90FwdTile(128, 128, 3, **_2WG), Sm90FwdTile(128, 128, 2, pingpong=False, **_2WG)],
+    256: [Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 96, 2, **_2WG), Sm90FwdTile(128, 128, 2, **_2WG)],
+}
 
 
-def load(tile, head_dim, folder):
-    name = tile.module(head_dim)
+def load(tile, head_dim, folder, kind="16bit"):
+    name = tile.module(head_dim, kind)
     path = pathlib.Path(folder) / f"{name}.py"
-    path.write_text(render("cute_sm90_fwd.py.jinja", **tile.params(head_dim)))
+    path.write_text(render("cute_sm90_fwd.py.jinja", **tile.params(head_dim, kind)))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -49,34 +55,43 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--head-dim", default="64,128,256")
     p.add_argument("--seqlen", default="4096,16384")
+    p.add_argument("--kind", default="16bit", help="16bit (bf16 inputs) or fp8 (e4m3 inputs, unit descales)")
     args = p.parse_args()
+    fp8 = args.kind == "fp8"
+    dtype = "fp8" if fp8 else "bf16"
     results = []
     folder = tempfile.mkdtemp(prefix="cute_sm90_sweep_")
     for head_dim in map(int, args.head_dim.split(",")):
-        for tile in CANDIDATES[head_dim]:
-            if check(tile, head_dim):
-                print(f"d={head_dim} {tile.describe()}: invalid: {check(tile, head_dim)}")
+        for tile in (FP8_CANDIDATES if fp8 else CANDIDATES)[head_dim]:
+            if check(tile, head_dim, args.kind):
+                print(f"d={head_dim} {tile.describe()}: invalid: {check(tile, head_dim, args.kind)}")
                 continue
-            mod = load(tile, head_dim, folder)
-            kernels = {c: cc.compile_module(mod, "bf16", c) for c in (False, True)}
+            mod = load(tile, head_dim, folder, args.kind)
+            kernels = {c: cc.compile_module(mod, dtype, c) for c in (False, True)}
             for n in map(int, args.seqlen.split(",")):
                 b, h = max(16384 // n, 1), 2048 // head_dim
                 g = torch.Generator(device="cuda").manual_seed(0)
                 q, k, v = (torch.randn(b, h, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
                            for _ in range(3))
+                if fp8:  # the values the kernel sees, so the fp32 check below uses the same ones
+                    q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+                    extra = (cc.prepare_v_fp8(v), torch.ones(3, b, h, device="cuda"))
                 for causal in (False, True):
-                    out = torch.full_like(q, float("nan"))
+                    out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
                     lse = torch.empty(q.shape[:3], device="cuda")
                     scale_log2 = head_dim ** -0.5 * math.log2(math.e)
-                    run = lambda: kernels[causal](q, k, v, out, lse, scale_log2)  # noqa: E731
+                    if fp8:
+                        run = lambda: kernels[causal](q, k, extra[0], out, lse, extra[1], scale_log2)  # noqa: E731
+                    else:
+                        run = lambda: kernels[causal](q, k, v, out, lse, scale_log2)  # noqa: E731
                     run()
                     ref = torch.nn.functional.scaled_dot_product_attention(
                         q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), is_causal=causal)
                     err = (out[:1, :2].float() - ref).abs().max().item()
                     ms = triton.testing.do_bench(run, warmup=25, rep=200)
                     tflops = 4 * b * h * n * n * head_dim / (2 if causal else 1) / ms / 1e9
-                    row = dict(head_dim=head_dim, seqlen=n, causal=causal, tile=tile.describe(),
-                               module=tile.module(head_dim), ms=ms, tflops=tflops, max_err_vs_fp32=err)
+                    row = dict(kind=args.kind, head_dim=head_dim, seqlen=n, causal=causal, tile=tile.describe(),
+                               module=tile.module(head_dim, args.kind), ms=ms, tflops=tflops, max_err_vs_fp32=err)
                     results.append(row)
                     print(f"d={head_dim} N={n} {'causal' if causal else 'full  '} {tile.describe():44s} "
                           f"{tflops:6.0f} TFLOP/s  err {err:.1e}", flush=True)

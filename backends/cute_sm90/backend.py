@@ -20,11 +20,16 @@ from . import compile as cc
 from . import variants
 
 
+_DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
+
+
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """TMA needs unit stride on head_dim, 16-byte aligned other strides and a 16-byte aligned start."""
-    ok = (t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-          and t.data_ptr() % 16 == 0)
-    return t if ok else t.contiguous()
+    """TMA needs unit stride on head_dim, 16-byte aligned other strides and a 16-byte aligned start.
+    (Every head_dim served is a multiple of 16 bytes, so a contiguous tensor qualifies.)"""
+    if t.data_ptr() % 16 == 0 and (t.is_contiguous() or (
+            t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))):
+        return t
+    return t.contiguous() if t.data_ptr() % 16 == 0 or not t.is_contiguous() else t.clone()
 
 
 class CuteSm90Backend(Backend):
@@ -89,7 +94,7 @@ class CuteSm90Backend(Backend):
 
     def forward(self, q, k, v, *, causal, scale, dropout_p, descale=None, **mask):
         q, k = _tma_ready(q), _tma_ready(k)
-        dtype = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}[q.dtype]
+        dtype = _DTYPE_NAME[q.dtype]
         kernel = cc.compiled(self.module(q.dtype, q.shape[-1]), dtype, causal)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         scale_log2 = scale * 1.4426950408889634  # log2(e): the kernel works in exp2

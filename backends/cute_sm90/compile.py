@@ -94,28 +94,24 @@ def fake_arguments(dtype: str, head_dim: int):
 
 
 # FP8: the key order within every 32-key block of V^T that fp8_p_operand (in the template) expects:
-# slot k holds key 2c + k%2 + 8*((k%4)//2) + 16*(k//16) with c = (k%16)//4.
-FP8_KEY_ORDER = tuple(2 * ((k % 16) // 4) + k % 2 + 8 * ((k % 4) // 2) + 16 * (k // 16) for k in range(32))
-_key_index: dict[tuple, object] = {}
+# slot k = 16*h + 4*c + 2*a + b (h, a, b in {0, 1}, c in 0..3) holds key 16*h + 8*a + 2*c + b.
+FP8_KEY_ORDER = tuple(16 * (k // 16) + 8 * ((k % 4) // 2) + 2 * ((k % 16) // 4) + k % 2 for k in range(32))
 
 
 def prepare_v_fp8(v):
     """V (batch, heads_kv, seqlen_k, head_dim) e4m3 -> V^T (batch, heads_kv, head_dim, seqlen_k padded to
     32) with keys in FP8_KEY_ORDER: FP8 WGMMA wants both operands K-major (keys contiguous for P @ V).
-    One gather pass over V (its cost is measured in benchmarks/results/)."""
+    One strided copy of V (its cost is measured in benchmarks/results/)."""
     import torch
 
-    n = v.shape[2]
+    b, h, n, d = v.shape
     padded = -(-n // 32) * 32
-    key = (v.device, padded)
-    index = _key_index.get(key)
-    if index is None:
-        order = torch.tensor(FP8_KEY_ORDER, device=v.device)
-        index = _key_index[key] = (torch.arange(0, padded, 32, device=v.device)[:, None] + order).flatten()
-    raw = v.view(torch.uint8)  # indexing and padding kernels are not all built for float8 dtypes
+    raw = v.view(torch.uint8)  # copy and pad kernels are not all built for float8 dtypes
     if padded != n:  # zero keys: masked in S, and 0 * V adds nothing
         raw = torch.nn.functional.pad(raw, (0, 0, 0, padded - n))
-    return raw.transpose(2, 3)[..., index].view(v.dtype)
+    # keys as (block, h, a, c, b) -> slots as (block, h, c, a, b), with head_dim moved in front
+    keys = raw.reshape(b, h, padded // 32, 2, 2, 4, 2, d)
+    return keys.permute(0, 1, 7, 2, 3, 5, 4, 6).reshape(b, h, d, padded).view(v.dtype)
 
 
 def compile_kernel(module: str, dtype: str, causal: bool, dump_dir: str | None = None):

@@ -68,7 +68,16 @@ def test_fp8_with_descales_matches_fp64_on_the_dequantised_inputs(shape, causal,
     ref, ref_lse, _ = oracle(*deq, causal=causal)
     inherent = rel_error(fp8_peer(*deq, causal=causal), ref)
     assert rel_error(out, ref) <= 1.2 * inherent + 1e-3, (rel_error(out, ref), inherent)
-    assert_close("lse", lse, ref_lse, ref_lse.float(), ulps=4 * math.sqrt(max(nk, head_dim)))
+    # S = Q K^T comes from the FP8 WGMMA, which accumulates with about 14 bits of precision on Hopper
+    # (DeepSeek-V3 technical report, section 3.3.2): the LSE may be off by that much of the largest
+    # accumulated magnitude, scale * sum_k |q_ik k_jk| (twice 2^-14, for the rounding of each partial sum).
+    scale = head_dim ** -0.5
+    group = hq // hkv
+    magnitude = (deq[0].abs().double() @ deq[1].abs().double().repeat_interleave(group, 1).transpose(-1, -2)).max()
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse[~finite], ref_lse[~finite].float()) and not lse.isnan().any()
+    lse_err = (lse.double() - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
+    assert lse_err <= 2 * 2 ** -14 * scale * magnitude.item() + 1e-5, (lse_err, scale * magnitude.item())
     if causal and nq > nk:
         assert (out[:, :, :nq - nk] == 0).all()
 
