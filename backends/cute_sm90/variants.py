@@ -35,6 +35,9 @@ class Sm90FwdTile:
     consumer_registers: int = 240
     pingpong: bool = True  # named-barrier ordering of the consumer warpgroups' GEMMs
     cluster: tuple[int, int] = (1, 1)
+    # Register spill (stack bytes, ptxas) accepted because the tile measured faster all the same; the
+    # compile tests fail on any spill above it.
+    accepted_spill_bytes: int = 0
 
     def module(self, head_dim: int, kind: str = "16bit") -> str:
         return (f"fwd_{kind}_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.kv_stages}"
@@ -109,13 +112,14 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
         # at N=4k (H200 sweep, benchmarks/results/2026-11-29-h200-cute_sm90/sweep.json).
         256: [Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 80, 2, **_2WG)],
     },
-    # FP8 (e4m3 in, bf16 out): the 16-bit kernel's 128x128 structure to start from; FA3 uses 128x224
-    # at d=128 (not yet swept here).
+    # FP8 (e4m3 in, bf16 out), H200 sweep at N=16k (benchmarks/results/2026-11-29-h200-cute_sm90-fp8/
+    # sweep_fp8.json), kernel alone, full/causal TFLOP/s: d=64 192x128 with 3 warpgroups 631/616 (128x128
+    # 513/501, 128x192 556/561); d=128 128x128 877/879 (128x160, 128x192, 3 stages, no pingpong: no
+    # better); d=256 128x128 1168/1145 despite a 56-byte spill (128x96 1089/1056, 128x64 1010/987).
     "fp8": {
-        64: [Sm90FwdTile(128, 128, 2, **_2WG)],
+        64: [Sm90FwdTile(192, 128, 2, **_3WG)],
         128: [Sm90FwdTile(128, 128, 2, **_2WG)],
-        # 128x128 spills 56 bytes at d=256 (ptxas, CuTe DSL 4.8.1): 128x64 first.
-        256: [Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 128, 2, **_2WG)],
+        256: [Sm90FwdTile(128, 128, 2, accepted_spill_bytes=56, **_2WG)],
     },
 }
 

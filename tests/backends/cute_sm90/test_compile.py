@@ -41,7 +41,8 @@ def test_variant_compiles_for_sm90a_with_wgmma_and_tma(tmp_path, kind, head_dim,
     assert re.search(rf"{mma}\.64x{tile.tile_n}x{k}\.F32{element}\s", sass)  # S = Q K^T, one key block
     assert re.search(rf"{mma}\.64x{head_dim}x{k}\.F32{element}\s", sass)  # O += P V
     usage = cuobjdump("-res-usage", str(cubin))
-    assert re.search(r"STACK:0\b", usage) and re.search(r"LOCAL:0\b", usage), usage  # no spills
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    assert stack <= tile.accepted_spill_bytes and re.search(r"LOCAL:0\b", usage), usage  # no spills beyond those accepted
 
 
 def test_disk_cache_builds_once_and_keys_on_the_variant(tmp_path):

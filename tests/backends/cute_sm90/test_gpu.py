@@ -51,7 +51,8 @@ FP8_SHAPES = [(1, 2, 2, 1, 1), (2, 4, 2, 113, 1023), (1, 4, 1, 1023, 113), (1, 8
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_fp8_with_descales_matches_fp64_on_the_dequantised_inputs(shape, causal, head_dim, gen):
     """Error against fp64 math on the dequantised inputs at most 1.2x that of PyTorch rounding P to
-    e4m3 the same way (testing.fp8_peer): FP8's own error, not a hand-loosened bound."""
+    e4m3 the same way (testing.fp8_peer), plus the bf16 rounding of the output (2^-8 relative): FP8's
+    own error, not a hand-loosened bound."""
     import attnforge
     from attnforge.testing import fp8_peer, rel_error
 
@@ -67,7 +68,7 @@ def test_fp8_with_descales_matches_fp64_on_the_dequantised_inputs(shape, causal,
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     ref, ref_lse, _ = oracle(*deq, causal=causal)
     inherent = rel_error(fp8_peer(*deq, causal=causal), ref)
-    assert rel_error(out, ref) <= 1.2 * inherent + 1e-3, (rel_error(out, ref), inherent)
+    assert rel_error(out, ref) <= 1.2 * inherent + 2 ** -8, (rel_error(out, ref), inherent)
     # S = Q K^T comes from the FP8 WGMMA, which accumulates with about 14 bits of precision on Hopper
     # (DeepSeek-V3 technical report, section 3.3.2): the LSE may be off by that much of the largest
     # accumulated magnitude, scale * sum_k |q_ik k_jk| (twice 2^-14, for the rounding of each partial sum).
