@@ -274,3 +274,40 @@ def run(builds: list[KernelBuild], cache_dir: pathlib.Path, keep_asm: bool = Fal
                  f"{meta['shared_bytes'] // 1024} KiB shared{spill}{insns})")
         results.append(meta)
     return results
+
+
+def cute_plan(targets, dtypes=("fp16", "bf16"), head_dims=None, causal=(False, True)) -> list[tuple[str, str, bool]]:
+    """(module, dtype, causal) of every cute_sm90 kernel for these targets (sm90 only), from the variant
+    table's picks. Unknown targets raise as plan() does."""
+    from ..backends.cute_sm90 import compile as cc
+    from ..backends.cute_sm90 import variants
+
+    for arch in targets:
+        if arch not in BUILD_TARGETS:
+            raise ValueError(f"unknown build target {arch!r}; targets: {', '.join(BUILD_TARGETS)}")
+    if "sm90" not in targets:
+        return []
+    out = []
+    for dtype in dtypes:
+        if dtype not in cc.DTYPES:
+            raise ValueError(f"cute_sm90 builds {', '.join(cc.DTYPES)}, not {dtype!r}")
+        for head_dim in head_dims or variants.HEAD_DIMS:
+            tile, why = variants.pick(cc.KIND[dtype], head_dim)
+            if tile is None:
+                raise ValueError(f"cute_sm90 d={head_dim}: " + "; ".join(why))
+            out += [(tile.module(head_dim, cc.KIND[dtype]), dtype, flag) for flag in causal]
+    return out
+
+
+def run_cute(builds: list[tuple[str, str, bool]], cache_dir: pathlib.Path, progress=print) -> None:
+    """Compile (with no GPU if need be) and export every cute_sm90 kernel of ``builds`` into the cache
+    that cute_sm90 loads from at run time, reporting each."""
+    import time
+
+    from ..backends.cute_sm90 import compile as cc
+
+    for i, (module, dtype, causal) in enumerate(builds, 1):
+        t0 = time.perf_counter()
+        path, built = cc.build_cached(module, dtype, causal, cache_dir)
+        what = f"built in {time.perf_counter() - t0:.1f}s" if built else "cached"
+        progress(f"[{i}/{len(builds)}] cute_sm90 {module}.{dtype}.{'causal' if causal else 'full'}: {what} ({path.name})")

@@ -121,7 +121,7 @@ def compile_kernel(module: str, dtype: str, causal: bool, dump_dir: str | None =
 
 def compile_module(mod, dtype: str, causal: bool, dump_dir: str | None = None):
     """cute.compile the kernel of a rendered module object (the generated ones, or a tile sweep's)."""
-    cutlass = import_cutlass()
+    import_cutlass()
     import cutlass.cute as cute
 
     element, out_element = elements(dtype)
@@ -164,6 +164,7 @@ def export(fn, path: pathlib.Path) -> None:
     os.close(fd)
     try:
         fn.export_to_c(object_file_path=tmp, function_name=EXPORTED_NAME)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a deployment's cache is read by its users
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -1,0 +1,46 @@
+"""`attnforge build --target sm90` compiles the cute_sm90 kernels ahead of time with no GPU, into the
+cache cute_sm90 loads from at run time; a later process finds them there and compiles nothing."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install 'attnforge[cute]')")
+pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
+
+LOAD = """
+from attnforge.backends.cute_sm90 import compile as cc
+def refuse(*a, **k):
+    raise AssertionError("compiled although the kernel was built ahead of time")
+cc.compile_module = refuse
+fn = cc.compiled("fwd_16bit_d64_m128_n128_s2_wg2_pp", "bf16", True)
+print("loaded", type(fn).__name__)
+"""
+
+
+def test_build_lists_both_sm90_backends(capsys):
+    from attnforge.cli import main
+
+    assert main(["build", "--target", "sm90", "--dtype", "bf16,fp8", "--head-dim", "64", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "cute_sm90 fwd_16bit_d64_m128_n128_s2_wg2_pp.bf16.causal" in out
+    assert "cute_sm90 fwd_fp8_d64_m192_n128_s2_wg3_pp.fp8.full" in out
+    assert "dkdv_kernel.sm90.bf16.d64.causal" in out  # triton_fa2's backward, which cute_sm90 relies on
+    assert main(["build", "--target", "sm89", "--backend", "cute_sm90", "--list"]) == 0
+    assert capsys.readouterr().out.strip() == "0 kernels"
+
+
+def test_prebuilt_kernel_is_loaded_not_compiled(tmp_path):
+    env = dict(os.environ, ATTNFORGE_CACHE_DIR=str(tmp_path))
+    built = subprocess.run([sys.executable, "-m", "attnforge", "build", "--target", "sm90", "--backend", "cute_sm90",
+                            "--dtype", "bf16", "--head-dim", "64", "--causal", "true"],
+                           env=env, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert "1 kernels in" in built.stdout and "built in" in built.stderr
+    (obj,) = (tmp_path / "cute_sm90").glob("*.o")
+    assert obj.stat().st_mode & 0o044  # readable by the deployment's users
+    loaded = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr
+    assert "loaded Function" in loaded.stdout
