@@ -16,21 +16,30 @@ class _Attention(torch.autograd.Function):
     """Autograd glue for backends whose backward runs from the saved output and LSE."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fwd, bwd, causal, scale, dropout_p):
-        out, lse = fwd.forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, fwd, bwd, causal, scale, dropout_p, descale=None):
+        extra = {} if descale is None else {"descale": descale}
+        out, lse = fwd.forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, **extra)
+        ctx.save_for_backward(q, k, v, out, lse, descale)
         ctx.bwd, ctx.causal, ctx.scale = bwd, causal, scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, descale = ctx.saved_tensors
         if ctx.bwd is None:
             raise BackendUnavailableError("attention was called with no input requiring grad, so no "
                                           "backward was chosen; set requires_grad before the call")
-        dq, dk, dv = ctx.bwd.backward(q, k, v, out, lse, dout, causal=ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        if descale is None:
+            dq, dk, dv = ctx.bwd.backward(q, k, v, out, lse, dout, causal=ctx.causal, scale=ctx.scale)
+            return dq, dk, dv, None, None, None, None, None, None
+        # FP8: the backward runs in bf16 on the dequantised inputs x * descale (see select.FP8_BACKWARD_DTYPE);
+        # by the chain rule the gradient with respect to the fp8 tensor is descale * d(dequantised).
+        per_head = [d.repeat_interleave(t.shape[1] // d.shape[1], 1)[:, :, None, None] for d, t in zip(descale, (q, k, v))]
+        q, k, v = ((t.to(torch.float32) * d).to(out.dtype) for t, d in zip((q, k, v), per_head))
+        grads = ctx.bwd.backward(q, k, v, out, lse, dout.to(out.dtype), causal=ctx.causal, scale=ctx.scale)
+        dq, dk, dv = (g.float() * d for g, d in zip(grads, per_head))  # autograd casts them to the inputs' dtype
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -101,7 +110,7 @@ def _run(q, k, v, causal, scale, dropout_p, layout, return_lse, backend, mask="n
         out, lse = fwd.forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, **(mask_args or {}))
     else:
         bwd = registry.get(decision.backward.backend) if decision.backward else None
-        out, lse = _Attention.apply(q, k, v, fwd, bwd, causal, scale, dropout_p)
+        out, lse = _Attention.apply(q, k, v, fwd, bwd, causal, scale, dropout_p, (mask_args or {}).get("descale"))
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import logging
 import os
@@ -76,9 +77,17 @@ def _rank(names, verdict_of) -> tuple[str | None, tuple[Candidate, ...]]:
     return chosen, tuple(out)
 
 
+# FP8 forwards have no FP8 backward anywhere (FlashAttention-3 refuses it): their backward runs in
+# bf16 on the dequantised inputs, so backward candidates are judged on the bf16 problem.
+FP8_BACKWARD_DTYPE = "bf16"
+
+
 def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...]) -> Choice:
     if fwd.autograd_native:
         return Choice(fwd.name, "torch autograd through its forward", (Candidate(fwd.name, CHOSEN),))
+    fp8 = problem.dtype == "fp8"
+    if fp8:
+        problem = dataclasses.replace(problem, dtype=FP8_BACKWARD_DTYPE)
 
     def verdict(b: registry.Backend):
         if b.autograd_native:
@@ -87,6 +96,8 @@ def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...]) -
 
     name, candidates = _rank(order, verdict)
     variant = registry.get(name).variant(problem) if name else ""
+    if fp8 and name:
+        variant += f" (in {FP8_BACKWARD_DTYPE} on the dequantised fp8 inputs: there is no FP8 backward)"
     return Choice(name, variant, candidates)
 
 

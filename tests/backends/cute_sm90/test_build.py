@@ -44,3 +44,30 @@ def test_prebuilt_kernel_is_loaded_not_compiled(tmp_path):
     loaded = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
     assert "loaded Function" in loaded.stdout
+
+
+RUN_PREBUILT = """
+import torch, attnforge
+from attnforge.backends.cute_sm90 import compile as cc
+from attnforge.testing import oracle, rel_error
+def refuse(*a, **k):
+    raise AssertionError("compiled although the kernel was built ahead of time")
+cc.compile_module = refuse
+q, k, v = (torch.randn(2, 4, 333, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+out = attnforge.attention(q, k, v, causal=True, backend="cute_sm90")
+print("error", rel_error(out, oracle(q, k, v, causal=True)[0]))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm90 GPU")
+def test_prebuilt_kernel_runs_on_the_gpu(tmp_path):
+    env = dict(os.environ, ATTNFORGE_CACHE_DIR=str(tmp_path))
+    built = subprocess.run([sys.executable, "-m", "attnforge", "build", "--target", "sm90", "--backend", "cute_sm90",
+                            "--dtype", "bf16", "--head-dim", "64", "--causal", "true"],
+                           env=env, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    run = subprocess.run([sys.executable, "-c", RUN_PREBUILT], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert float(run.stdout.split("error")[1]) < 1e-2, run.stdout  # bf16 against fp64

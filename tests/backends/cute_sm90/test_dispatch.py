@@ -57,3 +57,9 @@ def test_shapes_where_triton_fa2_measured_faster_go_there_unless_forced():
     assert explain(device="H200", dtype="bf16", head_dim=128, seqlen_q=1024).forward.backend == "cute_sm90"
     forced = explain(device="H200", dtype="bf16", head_dim=64, seqlen_q=1024, backend="cute_sm90")
     assert forced.forward.backend == "cute_sm90"
+
+
+def test_fp8_backward_runs_in_bf16_on_the_dequantised_inputs_and_the_decision_says_so():
+    d = explain(device="H200", dtype="fp8", head_dim=128, seqlen_q=4096, needs_grad=True)
+    assert d.forward.backend == "cute_sm90" and d.backward.backend == "triton_fa2"
+    assert d.backward.variant.endswith("(in bf16 on the dequantised fp8 inputs: there is no FP8 backward)")

@@ -97,3 +97,31 @@ def test_fp8_kernel_writes_every_element(causal, gen):
     kernel = cc.compiled(registered()["cute_sm90"].module(torch.float8_e4m3fn, d), "fp8", causal)
     kernel(q, k, cc.prepare_v_fp8(v), out, lse, torch.ones(3, b, hkv, device="cuda"), d ** -0.5 * math.log2(math.e))
     assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_fp8_backward_is_the_bf16_backward_of_the_dequantised_inputs(causal, gen):
+    """Gradients with respect to the fp8 tensors: descale * (gradient at the dequantised inputs), then
+    stored by autograd in the inputs' dtype (e4m3). Checked against the fp64 oracle's gradients put
+    through the same chain rule and rounding: at most 2x the error that rounding alone makes, plus
+    bf16's backward error (2^-7 relative)."""
+    import attnforge
+    from attnforge.testing import rel_error
+
+    b, hq, hkv, nq, nk, d = 1, 4, 2, 257, 300, 128
+    x = [torch.randn(b, h, n, d, generator=gen).to("cuda") for h, n in ((hq, nq), (hkv, nk), (hkv, nk))]
+    descale = [torch.rand(b, hkv, generator=gen).to("cuda") * 0.02 + 0.005 for _ in range(3)]
+    per_head = [s.repeat_interleave(t.shape[1] // hkv, 1)[:, :, None, None] for s, t in zip(descale, x)]
+    fp8 = [(t / s).to(torch.float8_e4m3fn).requires_grad_() for t, s in zip(x, per_head)]
+    out = attnforge.attention(*fp8, causal=causal, q_descale=descale[0], k_descale=descale[1], v_descale=descale[2])
+    decision = attnforge.last_decision()
+    assert decision.forward.backend == "cute_sm90" and decision.backward.backend == "triton_fa2"
+    dout = torch.randn(out.shape, generator=gen).to("cuda", torch.bfloat16)
+    grads = torch.autograd.grad(out, fp8, dout)
+    deq = [f.detach().double() * s for f, s in zip(fp8, per_head)]
+    _, _, ref = oracle(*deq, causal=causal, dout=dout)
+    for name, g, r, s in zip(("dq", "dk", "dv"), grads, ref, per_head):
+        want = r * s  # chain rule through x = x8 * descale
+        rounding = rel_error(want.to(torch.float8_e4m3fn).double(), want)
+        assert g.dtype == torch.float8_e4m3fn
+        assert rel_error(g.double(), want) <= 2 * rounding + 2 ** -7, (name, rel_error(g.double(), want), rounding)
