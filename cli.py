@@ -176,19 +176,23 @@ def _build(args) -> int:
     if args.backend in ("all", "triton_fa2") and triton_dtypes:
         builds = build.plan(args.target, dtypes=triton_dtypes, head_dims=args.head_dim, causal=causal)
     cute = build.cute_plan(args.target, args.dtype, args.head_dim, causal) if args.backend in ("all", "cute_sm90") else []
+    cute100 = (build.cute_sm100_plan(args.target, args.dtype, args.head_dim, causal)
+               if args.backend in ("all", "cute_sm100") else [])
     if args.list:
         for b in builds:
             print(b.name())
-        for module, dtype, is_causal in cute:
-            print(f"cute_sm90 {module}.{dtype}.{'causal' if is_causal else 'full'}")
-        print(f"{len(builds) + len(cute)} kernels")
+        for name, plan in (("cute_sm90", cute), ("cute_sm100", cute100)):
+            for module, dtype, is_causal in plan:
+                print(f"{name} {module}.{dtype}.{'causal' if is_causal else 'full'}")
+        print(f"{len(builds) + len(cute) + len(cute100)} kernels")
         return 0
     out = pathlib.Path(args.out) if args.out else build.default_cache_dir()
     progress = lambda m: print(m, file=sys.stderr)  # noqa: E731
     results = build.run(builds, out, keep_asm=args.keep_asm, progress=progress)
     build.run_cute(cute, out, progress=progress)
+    build.run_cute_sm100(cute100, out, progress=progress)
     spilled = [r for r in results if r["stack_bytes"]]
-    print(f"{len(results) + len(cute)} kernels in {out}" + (f"; {len(spilled)} spill to local memory" if spilled else ""))
+    print(f"{len(results) + len(cute) + len(cute100)} kernels in {out}" + (f"; {len(spilled)} spill to local memory" if spilled else ""))
     return 0
 
 
@@ -238,8 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build", help="compile the kernels a deployment needs ahead of time (no GPU needed)")
     p.add_argument("--target", type=_csv(str), required=True, help="comma list: sm80,sm86,sm89,sm90,sm100,sm120")
-    p.add_argument("--backend", default="all", choices=("all", "triton_fa2", "cute_sm90"),
-                   help="default: every backend with ahead-of-time kernels for the targets (cute_sm90: sm90)")
+    p.add_argument("--backend", default="all", choices=("all", "triton_fa2", "cute_sm90", "cute_sm100"),
+                   help="default: every backend with ahead-of-time kernels for the targets (cute_sm90: sm90, "
+                        "cute_sm100: sm100)")
     p.add_argument("--dtype", type=_csv(str), default=("fp16", "bf16"), help="comma list: fp16, bf16, fp8 (cute_sm90)")
     p.add_argument("--head-dim", type=_csv(int), default=None, help="default: every head dim of the variant table")
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")

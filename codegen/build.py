@@ -299,6 +299,38 @@ def cute_plan(targets, dtypes=("fp16", "bf16"), head_dims=None, causal=(False, T
     return out
 
 
+def cute_sm100_plan(targets, dtypes=("fp16", "bf16"), head_dims=None, causal=(False, True)) -> list[tuple[str, str, bool]]:
+    """(module, dtype, causal) of every cute_sm100 kernel for these targets (sm100 only)."""
+    from ..backends.cute_sm100 import variants
+
+    if "sm100" not in targets:
+        return []
+    out = []
+    for dtype in dtypes:
+        if dtype not in ("fp16", "bf16"):
+            continue  # fp8 is not built for sm100 yet
+        for head_dim in head_dims or variants.HEAD_DIMS:
+            tile, why = variants.pick(head_dim)
+            if tile is None:
+                raise ValueError(f"cute_sm100 d={head_dim}: " + "; ".join(why))
+            out += [(tile.module(head_dim), dtype, flag) for flag in causal]
+    return out
+
+
+def run_cute_sm100(builds: list[tuple[str, str, bool]], cache_dir: pathlib.Path, progress=print) -> None:
+    """Compile (for sm_100a, in a child process where this one targets another arch) and export every
+    cute_sm100 kernel of ``builds`` into the cache, reporting each."""
+    import time
+
+    from ..backends.cute_sm100 import compile as cc
+
+    for i, (module, dtype, causal) in enumerate(builds, 1):
+        t0 = time.perf_counter()
+        path, built = cc.build_cached(module, dtype, causal, cache_dir)
+        what = f"built in {time.perf_counter() - t0:.1f}s" if built else "cached"
+        progress(f"[{i}/{len(builds)}] cute_sm100 {module}.{dtype}.{'causal' if causal else 'full'}: {what} ({path.name})")
+
+
 def run_cute(builds: list[tuple[str, str, bool]], cache_dir: pathlib.Path, progress=print) -> None:
     """Compile (with no GPU if need be) and export every cute_sm90 kernel of ``builds`` into the cache
     that cute_sm90 loads from at run time, reporting each."""

@@ -12,18 +12,20 @@ import sys
 from .render import render
 
 PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
-GENERATED_DIRS = ("backends/triton_fa2/_generated", "backends/triton_rocm/_generated", "backends/cute_sm90/_generated")
+GENERATED_DIRS = ("backends/triton_fa2/_generated", "backends/triton_rocm/_generated", "backends/cute_sm90/_generated",
+                  "backends/cute_sm100/_generated")
 INIT = '"""Generated kernel modules (attnforge codegen); do not edit."""\n'
 
 
 def targets() -> dict[str, str]:
     """Every generated file, by path inside the package, with the text it must have."""
     from ..backends.cute_sm90 import variants as sm90
+    from ..backends.cute_sm100 import variants as sm100
     from ..backends.triton_fa2 import variants as fa2
     from ..backends.triton_rocm import variants as rocm
 
     files = {f"{d}/__init__.py": INIT for d in GENERATED_DIRS}
-    for template, params, path in fa2.codegen_targets() + rocm.codegen_targets() + sm90.codegen_targets():
+    for template, params, path in fa2.codegen_targets() + rocm.codegen_targets() + sm90.codegen_targets() + sm100.codegen_targets():
         files[path] = render(template, **params)
     return files
 

@@ -17,14 +17,16 @@ def test_explain_h100_fp32_shows_fallback(capsys):
     assert "triton_fa2  rejected  dtype fp32 is not supported; supports bf16, fp16" in out
 
 
-@pytest.mark.parametrize(("device", "arch", "backend"), [("cpu", "cpu", "sdpa"), ("MI300X", "gfx942", "triton_rocm"),
-                                                       ("B200", "sm100", "triton_fa2"), ("RX7900XTX", "gfx1100", "sdpa")])
-def test_explain_json(capsys, device, arch, backend):
+@pytest.mark.parametrize(("device", "arch", "forward", "backward"), [
+    ("cpu", "cpu", "sdpa", "sdpa"), ("MI300X", "gfx942", "triton_rocm", "triton_rocm"),
+    ("H100", "sm90", "cute_sm90", "triton_fa2"), ("B200", "sm100", "cute_sm100", "triton_fa2"),
+    ("RX7900XTX", "gfx1100", "sdpa", "sdpa")])
+def test_explain_json(capsys, device, arch, forward, backward):
     assert main(["explain", "--device", device, "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "8192",
                  "--causal", "--needs-grad", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["problem"]["device"]["arch"] == arch and d["problem"]["causal"] is True
-    assert d["forward"]["backend"] == backend and d["backward"]["backend"] == backend and d["ok"]
+    assert d["forward"]["backend"] == forward and d["backward"]["backend"] == backward and d["ok"]
 
 
 def test_explain_errors_exit_2(capsys):

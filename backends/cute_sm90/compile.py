@@ -33,47 +33,54 @@ _compiled: dict[tuple, object] = {}
 _lock = threading.Lock()
 
 
-def import_cutlass():
-    """Import the CuTe DSL for sm_90a. With no GPU its arch detection would pick sm_100a and WGMMA
-    kernels would not build, and it reads CUTE_DSL_ARCH once, at import (notes/cute-dsl-attention.md §5)."""
+def import_cutlass(arch: str = ARCH):
+    """Import the CuTe DSL for ``arch`` (sm_90a here; cute_sm100 passes sm_100a). It reads CUTE_DSL_ARCH
+    once, at import, and with no GPU its detection picks sm_100a, on which WGMMA kernels do not build
+    (notes/cute-dsl-attention.md §5): so the variable is set first, and a mismatch is an error."""
     if "cutlass" not in sys.modules:
-        os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+        os.environ.setdefault("CUTE_DSL_ARCH", arch)
     import cutlass
 
-    arch = os.environ.get("CUTE_DSL_ARCH")
-    if arch not in (None, ARCH) and not _has_sm90_gpu():
-        raise RuntimeError(f"the CuTe DSL was imported with CUTE_DSL_ARCH={arch}; cute_sm90 kernels compile for "
-                           f"{ARCH}: set CUTE_DSL_ARCH={ARCH} before anything imports cutlass")
+    if not arch_ready(arch):
+        raise RuntimeError(f"the CuTe DSL was imported here for {os.environ.get('CUTE_DSL_ARCH') or 'the local GPU'}; "
+                           f"these kernels compile for {arch}: set CUTE_DSL_ARCH={arch} before anything imports cutlass")
     return cutlass
 
 
-def _has_sm90_gpu() -> bool:
+def arch_ready(arch: str) -> bool:
+    """Whether this process's CuTe DSL compiles for ``arch`` (decided when cutlass was imported)."""
+    env = os.environ.get("CUTE_DSL_ARCH")
+    if env:
+        return env == arch
     import torch
 
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    if torch.cuda.is_available() and torch.version.cuda:
+        major, minor = torch.cuda.get_device_capability()
+        return arch == f"sm_{major}{minor}a"
+    return arch == "sm_100a"  # the DSL's choice with no GPU
 
 
 def kernel_module(module: str):
     return importlib.import_module(f"{GENERATED}.{module}")
 
 
-def elements(dtype: str):
+def elements(dtype: str, arch: str = ARCH):
     """(input, output) CuTe element types: FP8 (e4m3) in gives bf16 out."""
-    cutlass = import_cutlass()
+    cutlass = import_cutlass(arch)
     element = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "fp8": cutlass.Float8E4M3FN}[dtype]
     return element, (cutlass.BFloat16 if dtype == "fp8" else element)
 
 
-def fake_arguments(dtype: str, head_dim: int):
+def fake_arguments(dtype: str, head_dim: int, arch: str = ARCH):
     """Fake arguments for cute.compile: q, k, v, out (batch, heads, seqlen, head_dim) with symbolic sizes
     and strides (16-byte aligned rows, as TMA needs), fp32 LSE (batch, heads, seqlen), then for FP8
     the descales (3, batch, heads_kv) in fp32, then scale_log2 and the stream. FP8's v is V^T
     (batch, heads_kv, head_dim, seqlen_k padded to 32): see prepare_v_fp8."""
-    cutlass = import_cutlass()
+    cutlass = import_cutlass(arch)
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    element, out_element = elements(dtype)
+    element, out_element = elements(dtype, arch)
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, seqlen_v = (cute.sym_int32() for _ in range(6))
 
     def tensor(elem, *shape):

@@ -112,7 +112,7 @@ def test_forced_backend_that_cannot_serve_raises_with_reasons():
     q = torch.randn(1, 1, 8, 16)
     with pytest.raises(BackendUnavailableError, match="return_lse=True is not supported"):
         attnforge.attention(q, q, q, return_lse=True, backend="sdpa")
-    with pytest.raises(BackendUnavailableError, match="cute_sm100 +absent +not in this build"):
+    with pytest.raises(BackendUnavailableError, match="cute_sm100 +rejected +device cpu"):
         attnforge.attention(q, q, q, backend="cute_sm100")
     with pytest.raises(BackendUnavailableError, match="cute_sm90 +rejected +device cpu"):
         attnforge.attention(q, q, q, backend="cute_sm90")
@@ -143,7 +143,7 @@ def test_unknown_backend_names_are_refused_early():
 
 
 def test_decisions_are_cached_and_fallbacks_logged_once(caplog):
-    kw = dict(device="B200", dtype="bf16", head_dim=128, seqlen_q=2048, causal=True)
+    kw = dict(device="B200", dtype="bf16", head_dim=256, seqlen_q=2048, causal=True)
     with caplog.at_level(logging.INFO, logger="attnforge"):
         first = explain(**kw)
         for _ in range(3):
@@ -151,7 +151,7 @@ def test_decisions_are_cached_and_fallbacks_logged_once(caplog):
         explain(device="cpu", dtype="bf16", head_dim=128, seqlen_q=2048)  # not a fallback: silent
     records = [r for r in caplog.records if r.name == "attnforge"]
     assert len(records) == 1
-    assert "-> triton_fa2 instead of cute_sm100 (not in this build of attnforge)" in records[0].getMessage()
+    assert "-> triton_fa2 instead of cute_sm100 (head_dim 256 > 128)" in records[0].getMessage()
     assert decide.cache_info().hits >= 3
 
 

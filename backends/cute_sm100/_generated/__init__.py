@@ -1,0 +1,1 @@
+"""Generated kernel modules (attnforge codegen); do not edit."""

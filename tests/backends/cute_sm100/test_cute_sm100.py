@@ -1,0 +1,69 @@
+"""cute_sm100 with no Blackwell GPU: the variant table's check, dispatch, and every variant compiled for
+sm_100a (in a child process set up for that arch) with its SASS showing the Blackwell path: UTCHMMA
+(tcgen05 MMA), UTMALDG (TMA), LDTM/STTM (tensor memory loads and stores), UTCBAR (tcgen05.commit)."""
+
+import collections
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+from attnforge import explain
+from attnforge.backends.cute_sm100 import variants
+from attnforge.backends.cute_sm100.variants import Sm100FwdTile, check
+
+
+def test_every_head_dim_has_a_valid_pick():
+    assert [d for d, _ in variants.picks()] == list(variants.HEAD_DIMS)
+    for head_dim, tile in variants.picks():
+        assert not check(tile, head_dim) and tile.tmem_columns(head_dim) <= variants.TMEM_COLUMNS
+
+
+@pytest.mark.parametrize(("tile", "head_dim", "needle"), [
+    (Sm100FwdTile(128, 256, 2), 512, "tensor-memory columns, a CTA has 512"),
+    (Sm100FwdTile(128, 128, 4), 128, "KiB of shared memory, sm100 has 227 KiB"),
+    (Sm100FwdTile(64, 128), 128, "tile_m must be 128"),
+    (Sm100FwdTile(128, 80), 128, "tile_n must be a multiple of 32"),
+    (Sm100FwdTile(), 96, "head_dim 96 has no cute_sm100 kernel"),
+])
+def test_check_names_what_is_wrong(tile, head_dim, needle):
+    assert any(needle in r for r in check(tile, head_dim)), check(tile, head_dim)
+
+
+def test_b200_chooses_it_and_triton_fa2_runs_the_backward():
+    d = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=8192, causal=True, needs_grad=True)
+    assert d.forward.backend == "cute_sm100" and not d.fallback
+    assert d.backward.backend == "triton_fa2"
+    d = explain(device="B200", dtype="bf16", head_dim=256, seqlen_q=8192)
+    assert d.forward.backend == "triton_fa2" and "head_dim 256 > 128" in d.forward.reasons_of("cute_sm100")
+    assert "cute_sm100" not in [c.backend for c in explain(device="H100", dtype="bf16", head_dim=128,
+                                                             seqlen_q=64).forward.candidates]
+
+
+def cuobjdump(*args) -> str:
+    import triton
+
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
+
+
+PICKS = [(head_dim, tile, dtype, causal) for head_dim, tile in variants.picks() for dtype in ("fp16", "bf16")
+         for causal in (False, True)]
+
+
+@pytest.mark.parametrize(("head_dim", "tile", "dtype", "causal"), PICKS,
+                         ids=[f"{t.module(d)}-{dt}-{'causal' if c else 'full'}" for d, t, dt, c in PICKS])
+def test_variant_compiles_for_sm100a_with_tcgen05_tma_and_tmem(tmp_path, head_dim, tile, dtype, causal):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install 'attnforge[cute]')")
+    pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
+    from attnforge.backends.cute_sm100 import compile as cc
+
+    cc.compile_in_child(tile.module(head_dim), dtype, causal, str(tmp_path))
+    (cubin,) = tmp_path.glob("*.sm_100a.cubin")
+    sass = cuobjdump("-sass", str(cubin))
+    seen = collections.Counter(re.findall(r"\b(UTCHMMA|UTMALDG|LDTM|STTM|UTCBAR)\b", sass))
+    assert all(seen[i] for i in ("UTCHMMA", "UTMALDG", "LDTM", "STTM", "UTCBAR")), seen
+    usage = cuobjdump("-res-usage", str(cubin))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    assert stack <= tile.accepted_spill_bytes and re.search(r"LOCAL:0\b", usage), usage
