@@ -13,7 +13,7 @@ import os
 import torch
 
 from ..errors import BackendUnavailableError, UnknownNameError
-from . import registry
+from . import registry, selfcheck
 from .decision import ABSENT, CHOSEN, ELIGIBLE, REJECTED, Candidate, Choice, Decision
 from .priority import PLANNED_BACKENDS, priority
 from .problem import Problem, problem_from_tensors
@@ -109,15 +109,20 @@ def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> De
     fwd_order = (forced,) if forced else order
     bwd_order = tuple(dict.fromkeys(((forced,) if forced else ()) + order))
     backward_of: dict[str, Choice] = {}
+    found = []  # a backend passed: later ones are only listed as eligible, not self-checked
 
     def verdict(b: registry.Backend):
         reasons = b.available() + b.supports(problem)
         if not reasons and not forced:
             reasons = b.passed_over(problem)
+        if not reasons and not found:  # on this machine's device, a variant's first use runs its self-check
+            reasons = list(selfcheck.reasons(b, problem))
         if not reasons and problem.needs_grad:
             backward_of[b.name] = bwd = _backward(problem, b, bwd_order)
             if bwd.backend is None:
                 reasons = ["no backend can run the backward after its forward (see the backward candidates)"]
+        if not reasons:
+            found.append(b.name)
         return reasons
 
     name, candidates = _rank(fwd_order, verdict)

@@ -11,7 +11,6 @@ import hashlib
 import importlib
 import os
 import pathlib
-import subprocess
 import sys
 import threading
 
@@ -28,6 +27,7 @@ _lock = threading.Lock()
 
 
 def kernel_module(module: str):
+    sm90.target(ARCH)
     return importlib.import_module(f"{GENERATED}.{module}")
 
 
@@ -54,10 +54,7 @@ def compile_in_child(module: str, dtype: str, causal: bool, dump_dir: str) -> No
 
 
 def _child(code: str) -> None:
-    env = dict(os.environ, CUTE_DSL_ARCH=ARCH)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"cute_sm100 compile for {ARCH} failed:\n{done.stderr[-4000:]}")
+    sm90._child(code, ARCH)
 
 
 def cache_path(module: str, dtype: str, causal: bool, cache_dir: pathlib.Path | None = None) -> pathlib.Path:

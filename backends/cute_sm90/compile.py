@@ -37,14 +37,20 @@ def import_cutlass(arch: str = ARCH):
     """Import the CuTe DSL for ``arch`` (sm_90a here; cute_sm100 passes sm_100a). It reads CUTE_DSL_ARCH
     once, at import, and with no GPU its detection picks sm_100a, on which WGMMA kernels do not build
     (notes/cute-dsl-attention.md §5): so the variable is set first, and a mismatch is an error."""
-    if "cutlass" not in sys.modules:
-        os.environ.setdefault("CUTE_DSL_ARCH", arch)
+    target(arch)
     import cutlass
 
     if not arch_ready(arch):
         raise RuntimeError(f"the CuTe DSL was imported here for {os.environ.get('CUTE_DSL_ARCH') or 'the local GPU'}; "
                            f"these kernels compile for {arch}: set CUTE_DSL_ARCH={arch} before anything imports cutlass")
     return cutlass
+
+
+def target(arch: str) -> None:
+    """Before anything imports cutlass (a generated kernel module does, at its top): make ``arch`` the
+    arch it will compile for, unless CUTE_DSL_ARCH says otherwise already."""
+    if "cutlass" not in sys.modules:
+        os.environ.setdefault("CUTE_DSL_ARCH", arch)
 
 
 def arch_ready(arch: str) -> bool:
@@ -61,6 +67,7 @@ def arch_ready(arch: str) -> bool:
 
 
 def kernel_module(module: str):
+    target(ARCH)
     return importlib.import_module(f"{GENERATED}.{module}")
 
 
@@ -139,6 +146,25 @@ def compile_module(mod, dtype: str, causal: bool, dump_dir: str | None = None):
     return cute.compile(mod.Forward(element, out_element, causal), *fake_arguments(dtype, mod.HEAD_DIM), options=options)
 
 
+def compile_to(module: str, dtype: str, causal: bool, dump_dir: str) -> None:
+    """Compile one variant keeping its PTX and cubin in ``dump_dir``: in this process when its CuTe DSL
+    targets sm_90a, else in a child process set up for it (the DSL fixes its target at import)."""
+    if "cutlass" not in sys.modules or arch_ready(ARCH):
+        compile_kernel(module, dtype, causal, dump_dir=dump_dir)
+    else:
+        _child(f"from attnforge.backends.cute_sm90 import compile as c; "
+               f"c.compile_kernel({module!r}, {dtype!r}, {causal!r}, dump_dir={dump_dir!r})")
+
+
+def _child(code: str, arch: str = ARCH) -> None:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, CUTE_DSL_ARCH=arch),
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"CuTe DSL compile for {arch} failed:\n{done.stderr[-4000:]}")
+
+
 def cache_key(module: str, dtype: str, causal: bool) -> str:
     from importlib.metadata import version
 
@@ -186,13 +212,17 @@ def load(path: pathlib.Path):
 
 
 def build_cached(module: str, dtype: str, causal: bool, cache_dir: pathlib.Path | None = None) -> tuple[pathlib.Path, bool]:
-    """Compile and export one variant into the cache unless it is there. Returns (path, built_now)."""
-    import_cutlass()
+    """Compile and export one variant into the cache unless it is there (in a child process when this
+    one's CuTe DSL targets another arch). Returns (path, built_now)."""
     path = cache_path(module, dtype, causal, cache_dir)
     with _locked(path.parent / "locks" / f"{path.stem}.lock"):
         if path.is_file() and path.stat().st_size:
             return path, False
-        export(compile_kernel(module, dtype, causal), path)
+        if "cutlass" not in sys.modules or arch_ready(ARCH):
+            export(compile_kernel(module, dtype, causal), path)
+        else:
+            _child(f"from attnforge.backends.cute_sm90 import compile as c; import pathlib; "
+                   f"c.export(c.compile_kernel({module!r}, {dtype!r}, {causal!r}), pathlib.Path({str(path)!r}))")
         return path, True
 
 

@@ -1,0 +1,140 @@
+"""Self-check on first use: before a (backend, variant, device) first serves a call in a process, it
+runs a tiny problem of the same variant (dtype, head dims, causality, GQA, odd lengths) against fp32
+math on the same device. A variant that disagrees beyond tolerance (or gives NaN, or raises) is
+disabled for the process: the Decision lists it as rejected with "self-check failed: ...", the
+fallback is logged, and the call goes to the next backend.
+
+Results are kept on disk per device and attnforge version (<cache>/selfcheck/), so a machine runs each
+check once; ``ATTNFORGE_SELFCHECK=0`` turns the checks off. The reference backend is the oracle and is
+not checked. Meant first for kernels that were compiled but never run on their hardware (cute_sm100).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+
+import torch
+
+from .._version import __version__
+from .problem import DTYPES, Problem
+
+logger = logging.getLogger("attnforge")
+ENV_VAR = "ATTNFORGE_SELFCHECK"
+UNCHECKED = frozenset({"reference"})  # the oracle itself
+# The tiny problem: odd lengths that cross a 128-row/128-key tile edge, two query heads per kv head.
+BATCH, HEADS_Q, HEADS_KV, SEQLEN_Q, SEQLEN_K = 1, 2, 1, 133, 161
+
+_verdicts: dict[str, tuple[str, ...]] = {}  # this process: key -> reasons (empty: passed)
+costs: list[tuple[str, float]] = []  # (key, seconds) of the checks this process ran
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_VAR, "1") not in ("0", "false", "no", "off")
+
+
+def key_of(backend, problem: Problem) -> str:
+    d = problem.device
+    return (f"{backend.name}|{backend.variant(problem)}|{problem.dtype}|d{problem.head_dim}/{problem.head_dim_v}|"
+            f"{'causal' if problem.causal else 'full'}|{d.name}|{d.arch}")
+
+
+def _store_path(problem: Problem):
+    from ..codegen.build import default_cache_dir
+
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{problem.device.name}-{problem.device.arch}")
+    return default_cache_dir() / "selfcheck" / f"{slug}-{__version__}.json"
+
+
+def _read(path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path, key: str, reasons: tuple[str, ...], seconds: float) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read(path)
+        data[key] = {"ok": not reasons, "reasons": list(reasons), "seconds": round(seconds, 4)}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs the next process a check
+
+
+def reasons(backend, problem: Problem) -> tuple[str, ...]:
+    """Why ``backend`` must not serve ``problem`` on this machine after its self-check (empty: fine).
+    Runs the check the first time a key is seen (in this process and, via the disk, on this machine)."""
+    if not enabled() or backend.name in UNCHECKED or not problem.device.present:
+        return ()
+    key = key_of(backend, problem)
+    if key in _verdicts:
+        return _verdicts[key]
+    path = _store_path(problem)
+    stored = _read(path).get(key)
+    if stored is not None:
+        _verdicts[key] = tuple(stored["reasons"])
+        return _verdicts[key]
+    t0 = time.perf_counter()
+    why = _run(backend, problem)
+    seconds = time.perf_counter() - t0
+    costs.append((key, seconds))
+    _verdicts[key] = why
+    _write(path, key, why, seconds)
+    if why:
+        logger.warning("attnforge: self-check of %s failed on %s (%s); it is disabled on this machine until the "
+                       "check's record in %s is removed", key, problem.device.name, "; ".join(why), path)
+    return why
+
+
+def _run(backend, problem: Problem) -> tuple[str, ...]:
+    """The tiny problem, on the device, against fp32 math on the same (rounded) inputs."""
+    from ..backends.reference import math_attention
+
+    device, dtype = problem.device.torch_device, DTYPES[problem.dtype]
+    g = torch.Generator().manual_seed(0)
+
+    def rand(heads, seqlen, dim):
+        return torch.randn(BATCH, heads, seqlen, dim, generator=g).to(device=device, dtype=dtype)
+
+    q, k, v = (rand(HEADS_Q, SEQLEN_Q, problem.head_dim), rand(HEADS_KV, SEQLEN_K, problem.head_dim),
+               rand(HEADS_KV, SEQLEN_K, problem.head_dim_v))
+    scale = problem.head_dim ** -0.5
+    try:
+        out, _ = backend.forward(q, k, v, causal=problem.causal, scale=scale, dropout_p=0.0)
+    except Exception as exc:  # a kernel that cannot even run is as broken as a wrong one
+        return (f"self-check failed: the tiny problem raised {type(exc).__name__}: {str(exc)[:200]}",)
+    ref, _ = math_attention(q.double(), k.double(), v.double(), causal=problem.causal, scale=scale)
+    if problem.dtype == "fp8":  # FP8's own error: P rounded to e4m3 (torch has no fp8 matmul to compare with)
+        from ..testing import fp8_peer
+
+        peer, out_dtype = fp8_peer(q.float(), k.float(), v.float(), causal=problem.causal, scale=scale), torch.bfloat16
+    else:  # torch's own error computing the same thing in this dtype
+        peer, _ = math_attention(q, k, v, causal=problem.causal, scale=scale)
+        out_dtype = dtype
+    out = out.double()
+    if not torch.isfinite(out).all():
+        return ("self-check failed: NaN or inf in the output of a tiny problem",)
+    err = (out - ref).abs().max().item()
+    peer_err = (peer.double() - ref).abs().max().nan_to_num(float("inf")).item()
+    # the test suite's rule: twice torch's own error plus sqrt(reduction length) units of rounding
+    ulps = 4 * max(SEQLEN_K, problem.head_dim) ** 0.5
+    bound = 2 * peer_err + ulps * torch.finfo(out_dtype).eps * max(ref.abs().max().item(), 1.0)
+    if err > bound:
+        return (f"self-check failed: max error {err:.3g} against fp32 math on a tiny problem "
+                f"(bound {bound:.3g}; torch's own {problem.dtype} error {peer_err:.3g})",)
+    return ()
+
+
+def clear() -> None:
+    """Forget this process's verdicts (the disk records stay)."""
+    _verdicts.clear()
+    costs.clear()
