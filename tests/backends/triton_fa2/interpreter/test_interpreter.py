@@ -76,7 +76,10 @@ def test_backward_fp32_every_tile(tile, case, gen):
     _, peer_grads = peer_error(q, k, v, causal=causal, scale=0.3, dout=dout)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     module(tile).launch(q, k, v, ref.float(), ref_lse.float(), dout, *grads, causal=causal, scale=0.3)
-    ulps = 4 * math.sqrt(max(nq, nk, d))
+    # sqrt(reduction length) units of rounding, plus the LSE's own: the kernel recomputes P = exp(S - LSE)
+    # from an fp32 LSE, which puts eps32 * |LSE| relative error on every P (a 1-in-30 seed exceeded the
+    # bound without it: dv 2.28e-5 > 2.15e-5 with ATTNFORGE_TEST_SEED=15)
+    ulps = 4 * math.sqrt(max(nq, nk, d)) + ref_lse[torch.isfinite(ref_lse)].abs().max().item()
     for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, peer_grads):
         assert_close(name, g, r, p, ulps=ulps)
 
