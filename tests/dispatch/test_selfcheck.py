@@ -74,3 +74,31 @@ def test_it_can_be_turned_off(fresh, monkeypatch, gen):
 def test_profiles_are_never_self_checked(fresh):
     attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096)
     assert selfcheck.costs == []
+
+
+class _FakeFp8Backend:
+    """An FP8 'kernel' on the CPU: attention of the e4m3 inputs with P rounded to e4m3 (what an FP8 kernel
+    computes), bf16 out; ``bias`` breaks it."""
+
+    name, bias = "fake_fp8", 0.0
+
+    def variant(self, problem):
+        return "fake"
+
+    def forward(self, q, k, v, *, causal, scale, dropout_p, descale=None):
+        from attnforge.testing import fp8_peer
+
+        out = fp8_peer(q.float(), k.float(), v.float(), causal=causal, scale=scale)
+        return (out + self.bias).to(torch.bfloat16), None
+
+
+@pytest.mark.parametrize(("bias", "passes"), [(0.0, True), (0.05, False)])
+def test_fp8_variants_are_judged_against_fp8_rounding_of_p(fresh, bias, passes):
+    from attnforge.dispatch.device import detect
+    from attnforge.dispatch.problem import Problem
+
+    backend = _FakeFp8Backend()
+    backend.bias = bias
+    problem = Problem(1, 2, 1, 133, 161, 64, 64, "fp8", detect(torch.device("cpu")), causal=True)
+    reasons = selfcheck.reasons(backend, problem)
+    assert (reasons == ()) == passes, reasons
