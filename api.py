@@ -105,8 +105,8 @@ def _run(q, k, v, causal, scale, dropout_p, layout, return_lse, backend, mask="n
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     fwd = registry.get(decision.forward.backend)
-    tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if fwd.autograd_native or not tracked:  # no graph to record: skip autograd.Function's cost (~10 us)
+    # the decision is per call signature, grad mode and requires_grad included: its problem says it
+    if fwd.autograd_native or not decision.problem.needs_grad:  # no graph to record: skip autograd.Function (~10 us)
         out, lse = fwd.forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, **(mask_args or {}))
     else:
         bwd = registry.get(decision.backward.backend) if decision.backward else None

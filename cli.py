@@ -190,7 +190,7 @@ def _build(args) -> int:
     progress = lambda m: print(m, file=sys.stderr)  # noqa: E731
     results = build.run(builds, out, keep_asm=args.keep_asm, progress=progress)
     build.run_cute(cute, out, progress=progress)
-    build.run_cute_sm100(cute100, out, progress=progress)
+    build.run_cute(cute100, out, progress=progress, backend="cute_sm100")
     spilled = [r for r in results if r["stack_bytes"]]
     print(f"{len(results) + len(cute) + len(cute100)} kernels in {out}" + (f"; {len(spilled)} spill to local memory" if spilled else ""))
     return 0

@@ -317,29 +317,16 @@ def cute_sm100_plan(targets, dtypes=("fp16", "bf16"), head_dims=None, causal=(Fa
     return out
 
 
-def run_cute_sm100(builds: list[tuple[str, str, bool]], cache_dir: pathlib.Path, progress=print) -> None:
-    """Compile (for sm_100a, in a child process where this one targets another arch) and export every
-    cute_sm100 kernel of ``builds`` into the cache, reporting each."""
+def run_cute(builds: list[tuple[str, str, bool]], cache_dir: pathlib.Path, progress=print,
+             backend: str = "cute_sm90") -> None:
+    """Compile (with no GPU if need be; in a child process when this one targets another arch) and export
+    every kernel of ``builds`` for ``backend`` (cute_sm90 or cute_sm100) into the cache it loads from at
+    run time, reporting each."""
     import time
 
-    from ..backends.cute_sm100 import compile as cc
-
+    cc = importlib.import_module(f"..backends.{backend}.compile", __package__)
     for i, (module, dtype, causal) in enumerate(builds, 1):
         t0 = time.perf_counter()
         path, built = cc.build_cached(module, dtype, causal, cache_dir)
         what = f"built in {time.perf_counter() - t0:.1f}s" if built else "cached"
-        progress(f"[{i}/{len(builds)}] cute_sm100 {module}.{dtype}.{'causal' if causal else 'full'}: {what} ({path.name})")
-
-
-def run_cute(builds: list[tuple[str, str, bool]], cache_dir: pathlib.Path, progress=print) -> None:
-    """Compile (with no GPU if need be) and export every cute_sm90 kernel of ``builds`` into the cache
-    that cute_sm90 loads from at run time, reporting each."""
-    import time
-
-    from ..backends.cute_sm90 import compile as cc
-
-    for i, (module, dtype, causal) in enumerate(builds, 1):
-        t0 = time.perf_counter()
-        path, built = cc.build_cached(module, dtype, causal, cache_dir)
-        what = f"built in {time.perf_counter() - t0:.1f}s" if built else "cached"
-        progress(f"[{i}/{len(builds)}] cute_sm90 {module}.{dtype}.{'causal' if causal else 'full'}: {what} ({path.name})")
+        progress(f"[{i}/{len(builds)}] {backend} {module}.{dtype}.{'causal' if causal else 'full'}: {what} ({path.name})")

@@ -9,14 +9,13 @@ the backward is triton_fa2's, from this forward's LSE.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend
 from ...dispatch.support import Support
-from ..cute_sm90.backend import _tma_ready
+from ..cute_sm90.backend import _DTYPE_NAME, _tma_ready, cute_stack_missing
 from . import compile as cc
 from . import variants
 
@@ -35,9 +34,7 @@ class CuteSm100Backend(Backend):
     )
 
     def available(self) -> list[str]:
-        missing = [pkg for mod, pkg in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"))
-                   if importlib.util.find_spec(mod) is None]
-        return [f"{', '.join(missing)} not installed (pip install 'attnforge[cute]')"] if missing else []
+        return cute_stack_missing()
 
     def supports(self, problem: Problem) -> list[str]:
         reasons = self.support.reasons(problem)
@@ -61,8 +58,7 @@ class CuteSm100Backend(Backend):
 
     def forward(self, q, k, v, *, causal, scale, dropout_p, **mask):
         q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-        dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}[q.dtype]
-        kernel = cc.compiled(self.module(q.shape[-1]), dtype, causal)
+        kernel = cc.compiled(self.module(q.shape[-1]), _DTYPE_NAME[q.dtype], causal)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         kernel(q, k, v, out, lse, scale * 1.4426950408889634)  # log2(e): the kernel works in exp2

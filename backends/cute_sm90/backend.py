@@ -25,11 +25,18 @@ _DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3f
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """TMA needs unit stride on head_dim, 16-byte aligned other strides and a 16-byte aligned start.
-    (Every head_dim served is a multiple of 16 bytes, so a contiguous tensor qualifies.)"""
+    (Every head_dim served is a multiple of 16 bytes, so a fresh contiguous copy qualifies.)"""
     if t.data_ptr() % 16 == 0 and (t.is_contiguous() or (
             t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))):
         return t
-    return t.contiguous() if t.data_ptr() % 16 == 0 or not t.is_contiguous() else t.clone()
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def cute_stack_missing() -> list[str]:
+    """The reason the CuTe-DSL backends cannot run in this process, if a package they need is missing."""
+    missing = [pkg for mod, pkg in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"))
+               if importlib.util.find_spec(mod) is None]
+    return [f"{', '.join(missing)} not installed (pip install 'attnforge[cute]')"] if missing else []
 
 
 class CuteSm90Backend(Backend):
@@ -46,13 +53,11 @@ class CuteSm90Backend(Backend):
     )
 
     def available(self) -> list[str]:
-        missing = [pkg for mod, pkg in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"))
-                   if importlib.util.find_spec(mod) is None]
-        return [f"{', '.join(missing)} not installed (pip install 'attnforge[cute]')"] if missing else []
+        return cute_stack_missing()
 
     @staticmethod
     def _kind(problem: Problem) -> str:
-        return "fp8" if problem.dtype == "fp8" else "16bit"
+        return cc.KIND.get(problem.dtype, "16bit")
 
     def supports(self, problem: Problem) -> list[str]:
         reasons = self.support.reasons(problem)
@@ -86,7 +91,7 @@ class CuteSm90Backend(Backend):
     @functools.lru_cache(maxsize=None)
     def module(dtype: torch.dtype, head_dim: int) -> str:
         """The generated module of the picked variant (cached: forward() runs on every call)."""
-        kind = "fp8" if dtype == torch.float8_e4m3fn else "16bit"
+        kind = cc.KIND[_DTYPE_NAME[dtype]]
         tile, reasons = variants.pick(kind, head_dim)
         if tile is None:  # supports() said so first; this guards direct calls
             raise RuntimeError("; ".join(reasons))

@@ -24,14 +24,9 @@ from ..._version import __version__
 from ...codegen.build import _locked, default_cache_dir
 
 ARCH = "sm_90a"
-GENERATED = f"{__package__}._generated"
 EXPORTED_NAME = "attnforge_fwd"
 DTYPES = ("fp16", "bf16", "fp8")
 KIND = {"fp16": "16bit", "bf16": "16bit", "fp8": "fp8"}
-
-_compiled: dict[tuple, object] = {}
-_lock = threading.Lock()
-
 
 def import_cutlass(arch: str = ARCH):
     """Import the CuTe DSL for ``arch`` (sm_90a here; cute_sm100 passes sm_100a). It reads CUTE_DSL_ARCH
@@ -64,11 +59,6 @@ def arch_ready(arch: str) -> bool:
         major, minor = torch.cuda.get_device_capability()
         return arch == f"sm_{major}{minor}a"
     return arch == "sm_100a"  # the DSL's choice with no GPU
-
-
-def kernel_module(module: str):
-    target(ARCH)
-    return importlib.import_module(f"{GENERATED}.{module}")
 
 
 def elements(dtype: str, arch: str = ARCH):
@@ -128,58 +118,6 @@ def prepare_v_fp8(v):
     return keys.permute(0, 1, 7, 2, 3, 5, 4, 6).reshape(b, h, d, padded).view(v.dtype)
 
 
-def compile_kernel(module: str, dtype: str, causal: bool, dump_dir: str | None = None):
-    """cute.compile one generated variant for sm_90a (works with no GPU). ``dump_dir``: keep PTX and cubin there."""
-    return compile_module(kernel_module(module), dtype, causal, dump_dir)
-
-
-def compile_module(mod, dtype: str, causal: bool, dump_dir: str | None = None):
-    """cute.compile the kernel of a rendered module object (the generated ones, or a tile sweep's)."""
-    import_cutlass()
-    import cutlass.cute as cute
-
-    element, out_element = elements(dtype)
-    options = f"--enable-tvm-ffi --gpu-arch {ARCH}"
-    if dump_dir:
-        os.makedirs(dump_dir, exist_ok=True)  # the DSL writes nothing, silently, into a missing directory
-        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
-    return cute.compile(mod.Forward(element, out_element, causal), *fake_arguments(dtype, mod.HEAD_DIM), options=options)
-
-
-def compile_to(module: str, dtype: str, causal: bool, dump_dir: str) -> None:
-    """Compile one variant keeping its PTX and cubin in ``dump_dir``: in this process when its CuTe DSL
-    targets sm_90a, else in a child process set up for it (the DSL fixes its target at import)."""
-    if "cutlass" not in sys.modules or arch_ready(ARCH):
-        compile_kernel(module, dtype, causal, dump_dir=dump_dir)
-    else:
-        _child(f"from attnforge.backends.cute_sm90 import compile as c; "
-               f"c.compile_kernel({module!r}, {dtype!r}, {causal!r}, dump_dir={dump_dir!r})")
-
-
-def _child(code: str, arch: str = ARCH) -> None:
-    import subprocess
-
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, CUTE_DSL_ARCH=arch),
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"CuTe DSL compile for {arch} failed:\n{done.stderr[-4000:]}")
-
-
-def cache_key(module: str, dtype: str, causal: bool) -> str:
-    from importlib.metadata import version
-
-    source = pathlib.Path(kernel_module(module).__file__).read_bytes()
-    h = hashlib.sha256()
-    for part in (__version__, version("nvidia-cutlass-dsl"), ARCH, module, dtype, str(causal)):
-        h.update(part.encode() + b"\0")
-    h.update(source)
-    return h.hexdigest()[:32]
-
-
-def cache_path(module: str, dtype: str, causal: bool, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
-    return pathlib.Path(cache_dir or default_cache_dir()) / "cute_sm90" / f"{cache_key(module, dtype, causal)}.o"
-
-
 def _load_runtime_libraries() -> None:
     # A kernel loaded from an object file resolves the CuTe runtime's symbols through the global
     # namespace; cute.runtime.load_module does not load those libraries RTLD_GLOBAL itself.
@@ -211,49 +149,125 @@ def load(path: pathlib.Path):
     return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), EXPORTED_NAME)
 
 
-def build_cached(module: str, dtype: str, causal: bool, cache_dir: pathlib.Path | None = None) -> tuple[pathlib.Path, bool]:
-    """Compile and export one variant into the cache unless it is there (in a child process when this
-    one's CuTe DSL targets another arch). Returns (path, built_now)."""
-    path = cache_path(module, dtype, causal, cache_dir)
-    with _locked(path.parent / "locks" / f"{path.stem}.lock"):
-        if path.is_file() and path.stat().st_size:
-            return path, False
-        if "cutlass" not in sys.modules or arch_ready(ARCH):
-            export(compile_kernel(module, dtype, causal), path)
+class Target:
+    """The compile-and-cache machinery for one CuTe-DSL backend: its arch, its generated kernel package
+    and its cache folder. cute_sm90 and cute_sm100 each have one (``TARGET``)."""
+
+    def __init__(self, arch: str, package: str, cache_name: str):
+        self.arch, self.package, self.cache_name = arch, package, cache_name
+        self._compiled: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+
+    def kernel_module(self, module: str):
+        target(self.arch)
+        return importlib.import_module(f"{self.package}._generated.{module}")
+
+    def can_compile_here(self) -> bool:
+        """Whether this process's CuTe DSL compiles for this arch (or can still be set up for it)."""
+        if "cutlass" in sys.modules:
+            return arch_ready(self.arch)
+        return os.environ.get("CUTE_DSL_ARCH") in (None, "", self.arch)
+
+    def compile_kernel(self, module: str, dtype: str, causal: bool, dump_dir: str | None = None):
+        """cute.compile one generated variant in this process (works with no GPU). ``dump_dir``: keep PTX and cubin."""
+        import_cutlass(self.arch)
+        return self.compile_module(self.kernel_module(module), dtype, causal, dump_dir)
+
+    def compile_module(self, mod, dtype: str, causal: bool, dump_dir: str | None = None):
+        """cute.compile the kernel of a rendered module object (the generated ones, or a tile sweep's)."""
+        import_cutlass(self.arch)
+        import cutlass.cute as cute
+
+        element, out_element = elements(dtype, self.arch)
+        options = f"--enable-tvm-ffi --gpu-arch {self.arch}"
+        if dump_dir:
+            os.makedirs(dump_dir, exist_ok=True)  # the DSL writes nothing, silently, into a missing directory
+            options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+        return cute.compile(mod.Forward(element, out_element, causal), *fake_arguments(dtype, mod.HEAD_DIM, self.arch),
+                            options=options)
+
+    def _in_child(self, call: str) -> None:
+        """Run ``t.<call>`` in a fresh process whose CuTe DSL targets this arch (it fixes its target at import)."""
+        import subprocess
+
+        code = f"from {self.package}.compile import TARGET as t; import pathlib; t.{call}"
+        done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, CUTE_DSL_ARCH=self.arch),
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"CuTe DSL compile for {self.arch} failed:\n{done.stderr[-4000:]}")
+
+    def compile_in_child(self, module: str, dtype: str, causal: bool, dump_dir: str) -> None:
+        self._in_child(f"compile_kernel({module!r}, {dtype!r}, {causal!r}, dump_dir={dump_dir!r})")
+
+    def compile_to(self, module: str, dtype: str, causal: bool, dump_dir: str) -> None:
+        """Compile one variant keeping its PTX and cubin in ``dump_dir``, in this process if it can, else a child."""
+        if self.can_compile_here():
+            self.compile_kernel(module, dtype, causal, dump_dir=dump_dir)
         else:
-            _child(f"from attnforge.backends.cute_sm90 import compile as c; import pathlib; "
-                   f"c.export(c.compile_kernel({module!r}, {dtype!r}, {causal!r}), pathlib.Path({str(path)!r}))")
-        return path, True
+            self.compile_in_child(module, dtype, causal, dump_dir)
 
+    def cache_path(self, module: str, dtype: str, causal: bool, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+        """<cache>/<backend>/<key>.o, the key from attnforge and CuTe-DSL versions, arch, variant and source."""
+        from importlib.metadata import version
 
-def compiled(module: str, dtype: str, causal: bool):
-    """The callable kernel for a variant: from this process's memory, else from the disk cache, else
-    compiled now (and exported for the next process). Thread-safe."""
-    key = (module, dtype, causal)
-    fn = _compiled.get(key)
-    if fn is not None:
+        source = pathlib.Path(self.kernel_module(module).__file__).read_bytes()
+        h = hashlib.sha256()
+        for part in (__version__, version("nvidia-cutlass-dsl"), self.arch, module, dtype, str(causal)):
+            h.update(part.encode() + b"\0")
+        h.update(source)
+        return pathlib.Path(cache_dir or default_cache_dir()) / self.cache_name / f"{h.hexdigest()[:32]}.o"
+
+    def build_cached(self, module: str, dtype: str, causal: bool,
+                     cache_dir: pathlib.Path | None = None) -> tuple[pathlib.Path, bool]:
+        """Compile and export one variant into the cache unless it is there (in a child process when this
+        one's CuTe DSL targets another arch). Returns (path, built_now)."""
+        path = self.cache_path(module, dtype, causal, cache_dir)
+        with _locked(path.parent / "locks" / f"{path.stem}.lock"):
+            if path.is_file() and path.stat().st_size:
+                return path, False
+            if self.can_compile_here():
+                export(self.compile_kernel(module, dtype, causal), path)
+            else:
+                self._in_child(f"build_export({module!r}, {dtype!r}, {causal!r}, pathlib.Path({str(path)!r}))")
+            return path, True
+
+    def build_export(self, module: str, dtype: str, causal: bool, path: pathlib.Path) -> None:
+        export(self.compile_kernel(module, dtype, causal), path)
+
+    def compiled(self, module: str, dtype: str, causal: bool):
+        """The callable kernel for a variant: from this process's memory, else from the disk cache, else
+        compiled now (and exported for the next process). Thread-safe."""
+        key = (module, dtype, causal)
+        fn = self._compiled.get(key)
+        if fn is not None:
+            return fn
+        with self._lock:
+            if key not in self._compiled:
+                self._compiled[key] = self._load_or_compile(module, dtype, causal)
+            return self._compiled[key]
+
+    def _load_or_compile(self, module: str, dtype: str, causal: bool):
+        path = self.cache_path(module, dtype, causal)
+        if path.is_file():
+            try:
+                return load(path)
+            except Exception:  # torn or foreign entry: rebuild it
+                path.unlink(missing_ok=True)
+        if not self.can_compile_here():
+            return load(self.build_cached(module, dtype, causal)[0])
+        fn = self.compile_kernel(module, dtype, causal)
+        try:
+            with _locked(path.parent / "locks" / f"{path.stem}.lock"):
+                if not path.is_file():
+                    export(fn, path)
+        except OSError:
+            pass  # a read-only cache only costs the next process a compile
         return fn
-    with _lock:
-        if key not in _compiled:
-            import_cutlass()
-            path = cache_path(module, dtype, causal)
-            fn = None
-            if path.is_file():
-                try:
-                    fn = load(path)
-                except Exception:  # torn or foreign entry: rebuild it
-                    path.unlink(missing_ok=True)
-            if fn is None:
-                fn = compile_kernel(module, dtype, causal)
-                try:
-                    with _locked(path.parent / "locks" / f"{path.stem}.lock"):
-                        if not path.is_file():
-                            export(fn, path)
-                except OSError:
-                    pass  # a read-only cache only costs the next process a compile
-            _compiled[key] = fn
-        return _compiled[key]
+
+    def forget(self) -> None:
+        self._compiled.clear()
 
 
-def forget() -> None:
-    _compiled.clear()
+TARGET = Target(ARCH, __package__, "cute_sm90")
+kernel_module, compile_kernel, compile_module = TARGET.kernel_module, TARGET.compile_kernel, TARGET.compile_module
+compile_to, cache_path, build_cached, compiled = TARGET.compile_to, TARGET.cache_path, TARGET.build_cached, TARGET.compiled

@@ -97,11 +97,15 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, block_n: in
 def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None):
     """Plain materialised attention (scores, softmax, matmul) in the inputs' dtype: the textbook
     definition with FlashAttention's masking conventions. Meant for fp64 checks at small sizes."""
+    p, lse = math_probabilities(q, k, causal=causal, scale=scale)
+    return p @ v.repeat_interleave(q.shape[1] // k.shape[1], dim=1), lse
+
+
+def math_probabilities(q, k, *, causal: bool = False, scale: float | None = None):
+    """The softmax probabilities P (batch, heads_q, seqlen_q, seqlen_k) of math_attention and its LSE."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     s = (q @ k.transpose(-1, -2)) * scale
     if causal:
         s = _mask_tile(s, 0, seqlen_q, seqlen_k)
@@ -109,4 +113,4 @@ def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None)
     s = s.masked_fill(dead, 0.0)  # keeps softmax and its gradient free of NaN on those rows
     p = torch.softmax(s, -1).masked_fill(dead, 0.0)
     lse = torch.logsumexp(s, -1).masked_fill(dead.squeeze(-1), float("-inf"))
-    return p @ v, lse
+    return p, lse
