@@ -21,6 +21,8 @@ import triton.testing
 
 import attnforge
 from attnforge.backends.cute_sm90 import compile as cc
+from attnforge.backends.cute_sm90 import v_layout
+from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.dispatch import registered
 from attnforge.testing import rel_error
 
@@ -82,13 +84,14 @@ def main() -> None:
                 impls = {"cute_sm90 fp8 (attention())": lambda: attnforge.attention(q8, k8, v8, causal=causal),
                          "cute_sm90 bf16 (attention())": lambda: attnforge.attention(qb, kb, vb, causal=causal)}
                 kernel = cc.compiled(registered()["cute_sm90"].module(torch.float8_e4m3fn, head_dim), "fp8", causal)
-                v_t = cc.prepare_v_fp8(v8)
+                v_t = prepare_v_fp8(v8)
                 out = torch.empty(q8.shape, dtype=torch.bfloat16, device="cuda")
                 lse = torch.empty(q8.shape[:3], device="cuda")
                 descale = torch.ones(3, b, h, device="cuda")
                 impls["cute_sm90 fp8 kernel only"] = lambda: kernel(q8, k8, v_t, out, lse, descale,
                                                                     head_dim ** -0.5 * math.log2(math.e)) or out
-                impls["V^T key permutation alone"] = lambda: cc.prepare_v_fp8(v8)
+                impls["V^T key permutation alone"] = lambda: prepare_v_fp8(v8)
+                impls["V^T, torch strided copy"] = lambda: v_layout.prepare_v_fp8_torch(v8)
                 try:
                     runner = cudnn_fp8(q8, k8, v8, causal)
                 except Exception as e:  # cuDNN refuses some shapes; say so
@@ -99,10 +102,10 @@ def main() -> None:
                 for name, fn in impls.items():
                     res = fn()
                     err = None
-                    if name != "V^T key permutation alone":
+                    if not name.startswith("V^T"):
                         err = rel_error(res[:1, :4].float(), ref)
                     ms = triton.testing.do_bench(fn, warmup=25, rep=200)
-                    tflops = None if name == "V^T key permutation alone" else flops / ms / 1e9
+                    tflops = None if name.startswith("V^T") else flops / ms / 1e9
                     rows.append(dict(head_dim=head_dim, seqlen=n, batch=b, heads=h, causal=causal, impl=name, ms=ms,
                                      tflops=tflops, rel_error=err))
                     print(f"d={head_dim} N={n:5d} {'causal' if causal else 'full  '} {name:30s} {ms:8.3f} ms "

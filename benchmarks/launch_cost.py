@@ -54,6 +54,23 @@ def main() -> None:
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
         scale_log2 = 64 ** -0.5 * math.log2(math.e)
         impls["cute_sm90 kernel, called directly"] = lambda: kernel(q, k, v, out, lse, scale_log2)
+        # where the rest goes: the backend's forward() without the dispatcher, the dispatcher alone
+        # (a cached Decision lookup) and the two output allocations
+        backend = registered()["cute_sm90"]
+        impls["cute_sm90 forward(), no dispatch"] = lambda: backend.forward(q, k, v, causal=False, scale=0.125,
+                                                                           dropout_p=0.0)
+        from attnforge.dispatch.select import decide_call
+
+        impls["dispatch only (decide_call)"] = lambda: decide_call(q, k, v, "bhsd", False, 0.0, False, None)
+        impls["two torch.empty (out, lse)"] = lambda: (torch.empty_like(q), torch.empty(q.shape[:3], device="cuda"))
+        impls["torch.empty(shape, dtype, device)"] = lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        n_out = q.numel() * q.element_size() // 4
+
+        def one_buffer():  # out and lse in one allocation, then two views
+            buf = torch.empty(n_out + q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device="cuda")
+            return buf[:n_out].view(q.dtype).view(q.shape), buf[n_out:].view(q.shape[:3])
+
+        impls["one torch.empty viewed as out and lse"] = one_buffer
     try:
         from flash_attn.cute import flash_attn_func
 

@@ -20,6 +20,7 @@ import torch
 import triton.testing
 
 from attnforge.backends.cute_sm90 import compile as cc
+from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.backends.cute_sm90.variants import Sm90FwdTile, check
 from attnforge.codegen.render import render
 
@@ -29,13 +30,15 @@ CANDIDATES = {
     64: [Sm90FwdTile(128, 128, 2, **_2WG), Sm90FwdTile(192, 128, 2, **_3WG), Sm90FwdTile(128, 192, 2, **_2WG),
          Sm90FwdTile(128, 128, 3, **_2WG), Sm90FwdTile(192, 192, 2, **_3WG)],
     128: [Sm90FwdTile(128, 128, 2, **_2WG), Sm90FwdTile(128, 176, 2, **_2WG), Sm90FwdTile(128, 128, 3, **_2WG),
-          Sm90FwdTile(128, 128, 2, pingpong=False, **_2WG), Sm90FwdTile(128, 160, 2, **_2WG)],
+          Sm90FwdTile(128, 128, 2, pingpong=False, **_2WG), Sm90FwdTile(128, 160, 2, **_2WG),
+          Sm90FwdTile(192, 64, 2, **_3WG)],
     256: [Sm90FwdTile(128, 80, 2, **_2WG), Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 96, 2, **_2WG)],
 }
 FP8_CANDIDATES = {  # FA3 uses 128x224 at d=128 for FP8; 224 is not a multiple of 32 here
     64: [Sm90FwdTile(128, 128, 2, **_2WG), Sm90FwdTile(128, 192, 2, **_2WG), Sm90FwdTile(192, 128, 2, **_3WG)],
     128: [Sm90FwdTile(128, 128, 2, **_2WG), Sm90FwdTile(128, 160, 2, **_2WG), Sm90FwdTile(128, 192, 2, **_2WG),
-          Sm90FwdTile(128, 128, 3, **_2WG), Sm90FwdTile(128, 128, 2, pingpong=False, **_2WG)],
+          Sm90FwdTile(128, 128, 3, **_2WG), Sm90FwdTile(128, 128, 2, pingpong=False, **_2WG),
+          Sm90FwdTile(192, 64, 2, **_3WG), Sm90FwdTile(192, 96, 2, **_3WG)],
     256: [Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 96, 2, **_2WG), Sm90FwdTile(128, 128, 2, **_2WG)],
 }
 
@@ -56,6 +59,8 @@ def main() -> None:
     p.add_argument("--head-dim", default="64,128,256")
     p.add_argument("--seqlen", default="4096,16384")
     p.add_argument("--kind", default="16bit", help="16bit (bf16 inputs) or fp8 (e4m3 inputs, unit descales)")
+    p.add_argument("--causal", default="both", choices=("both", "full", "causal"))
+    p.add_argument("--match", default="", help="only tiles whose description contains one of these (comma-separated)")
     args = p.parse_args()
     fp8 = args.kind == "fp8"
     dtype = "fp8" if fp8 else "bf16"
@@ -63,11 +68,14 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="cute_sm90_sweep_")
     for head_dim in map(int, args.head_dim.split(",")):
         for tile in (FP8_CANDIDATES if fp8 else CANDIDATES)[head_dim]:
+            if args.match and not any(m in tile.describe() for m in args.match.split(",")):
+                continue
             if check(tile, head_dim, args.kind):
                 print(f"d={head_dim} {tile.describe()}: invalid: {check(tile, head_dim, args.kind)}")
                 continue
             mod = load(tile, head_dim, folder, args.kind)
-            kernels = {c: cc.compile_module(mod, dtype, c) for c in (False, True)}
+            causals = {"both": (False, True), "full": (False,), "causal": (True,)}[args.causal]
+            kernels = {c: cc.compile_module(mod, dtype, c) for c in causals}
             for n in map(int, args.seqlen.split(",")):
                 b, h = max(16384 // n, 1), 2048 // head_dim
                 g = torch.Generator(device="cuda").manual_seed(0)
@@ -75,8 +83,8 @@ def main() -> None:
                            for _ in range(3))
                 if fp8:  # the values the kernel sees, so the fp32 check below uses the same ones
                     q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
-                    extra = (cc.prepare_v_fp8(v), torch.ones(3, b, h, device="cuda"))
-                for causal in (False, True):
+                    extra = (prepare_v_fp8(v), torch.ones(3, b, h, device="cuda"))
+                for causal in causals:
                     out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
                     lse = torch.empty(q.shape[:3], device="cuda")
                     scale_log2 = head_dim ** -0.5 * math.log2(math.e)
@@ -93,7 +101,7 @@ def main() -> None:
                     row = dict(kind=args.kind, head_dim=head_dim, seqlen=n, causal=causal, tile=tile.describe(),
                                module=tile.module(head_dim, args.kind), ms=ms, tflops=tflops, max_err_vs_fp32=err)
                     results.append(row)
-                    print(f"d={head_dim} N={n} {'causal' if causal else 'full  '} {tile.describe():44s} "
+                    print(f"d={head_dim} N={n} {'causal' if causal else 'full  '} {tile.describe():60s} "
                           f"{tflops:6.0f} TFLOP/s  err {err:.1e}", flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),

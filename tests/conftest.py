@@ -7,8 +7,8 @@ import pytest
 import torch
 
 # The interpreter tests run in a process of their own with TRITON_INTERPRET=1
-# (backends/triton_fa2/test_interpreter_suite.py starts it); other processes leave them out.
-collect_ignore_glob = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["backends/triton_fa2/interpreter/*"]
+# (backends/triton_fa2/test_interpreter_suite.py and backends/cute_sm90/test_v_layout.py start them); other processes leave them out.
+collect_ignore_glob = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["backends/*/interpreter/*"]
 
 # Fresh random inputs every run, reproducible on demand: ATTNFORGE_TEST_SEED=<n> repeats a run.
 SESSION_SEED = int(os.environ.get("ATTNFORGE_TEST_SEED", random.randrange(2**31)))

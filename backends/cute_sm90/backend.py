@@ -18,6 +18,7 @@ from ...dispatch.registry import Backend
 from ...dispatch.support import Support
 from . import compile as cc
 from . import variants
+from .v_layout import prepare_v_fp8
 
 
 _DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
@@ -107,7 +108,7 @@ class CuteSm90Backend(Backend):
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
             if descale is None:
                 descale = torch.ones(3, k.shape[0], k.shape[1], dtype=torch.float32, device=q.device)
-            kernel(q, k, cc.prepare_v_fp8(v), out, lse, descale, scale_log2)
+            kernel(q, k, prepare_v_fp8(v), out, lse, descale, scale_log2)
         else:
             out = torch.empty_like(q)  # q's strides when q is dense, else contiguous: TMA-ready either way
             kernel(q, k, _tma_ready(v), out, lse, scale_log2)

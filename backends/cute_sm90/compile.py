@@ -72,7 +72,7 @@ def fake_arguments(dtype: str, head_dim: int, arch: str = ARCH):
     """Fake arguments for cute.compile: q, k, v, out (batch, heads, seqlen, head_dim) with symbolic sizes
     and strides (16-byte aligned rows, as TMA needs), fp32 LSE (batch, heads, seqlen), then for FP8
     the descales (3, batch, heads_kv) in fp32, then scale_log2 and the stream. FP8's v is V^T
-    (batch, heads_kv, head_dim, seqlen_k padded to 32): see prepare_v_fp8."""
+    (batch, heads_kv, head_dim, seqlen_k padded to 32): see v_layout.py."""
     cutlass = import_cutlass(arch)
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -95,27 +95,6 @@ def fake_arguments(dtype: str, head_dim: int, arch: str = ARCH):
     descale = make_fake_tensor(cutlass.Float32, (3, batch, heads_kv), (cute.sym_int64(), cute.sym_int64(), 1),
                                assumed_align=4)
     return (q, k, v_t, out, lse, descale, *tail)
-
-
-# FP8: the key order within every 32-key block of V^T that fp8_p_operand (in the template) expects:
-# slot k = 16*h + 4*c + 2*a + b (h, a, b in {0, 1}, c in 0..3) holds key 16*h + 8*a + 2*c + b.
-FP8_KEY_ORDER = tuple(16 * (k // 16) + 8 * ((k % 4) // 2) + 2 * ((k % 16) // 4) + k % 2 for k in range(32))
-
-
-def prepare_v_fp8(v):
-    """V (batch, heads_kv, seqlen_k, head_dim) e4m3 -> V^T (batch, heads_kv, head_dim, seqlen_k padded to
-    32) with keys in FP8_KEY_ORDER: FP8 WGMMA wants both operands K-major (keys contiguous for P @ V).
-    One strided copy of V (its cost is measured in benchmarks/results/)."""
-    import torch
-
-    b, h, n, d = v.shape
-    padded = -(-n // 32) * 32
-    raw = v.view(torch.uint8)  # copy and pad kernels are not all built for float8 dtypes
-    if padded != n:  # zero keys: masked in S, and 0 * V adds nothing
-        raw = torch.nn.functional.pad(raw, (0, 0, 0, padded - n))
-    # keys as (block, h, a, c, b) -> slots as (block, h, c, a, b), with head_dim moved in front
-    keys = raw.reshape(b, h, padded // 32, 2, 2, 4, 2, d)
-    return keys.permute(0, 1, 7, 2, 3, 5, 4, 6).reshape(b, h, d, padded).view(v.dtype)
 
 
 def _load_runtime_libraries() -> None:

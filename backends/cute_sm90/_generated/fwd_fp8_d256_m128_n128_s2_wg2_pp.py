@@ -68,7 +68,7 @@ def fp8_p_operand(acc_S, rP):
     the accumulator holds keys 2c, 2c+1, 8+2c, 9+2c, 16+2c, 17+2c, 24+2c, 25+2c. Rather than shuffle
     registers between lanes, slot k gets key pi(k) = 2c + k%2 + 8*(k%4 // 2) + 16*(k // 16) of the
     thread's own values, and V^T arrives with its keys permuted by the same pi in every 32-key block
-    (compile.py's prepare_v_fp8), so sum_k P[pi(k)] V[pi(k)] is the product unchanged."""
+    (backends/cute_sm90/v_layout.py), so sum_k P[pi(k)] V[pi(k)] is the product unchanged."""
     staged = cute.make_rmem_tensor(rP.shape, Float32)
     for kb in range(cute.size(rP, mode=[2])):  # plain Python loops: unrolled while tracing
         for v2 in range(2):

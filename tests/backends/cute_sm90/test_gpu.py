@@ -87,6 +87,7 @@ def test_fp8_with_descales_matches_fp64_on_the_dequantised_inputs(shape, causal,
 def test_fp8_kernel_writes_every_element(causal, gen):
     """The FP8 kernel called directly with NaN-poisoned outputs: odd lengths, GQA."""
     from attnforge.backends.cute_sm90 import compile as cc
+    from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
     from attnforge.dispatch import registered
 
     b, hq, hkv, nq, nk, d = 2, 6, 2, 333, 517, 128
@@ -95,8 +96,24 @@ def test_fp8_kernel_writes_every_element(causal, gen):
     out = torch.full((b, hq, nq, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((b, hq, nq), float("nan"), device="cuda")
     kernel = cc.compiled(registered()["cute_sm90"].module(torch.float8_e4m3fn, d), "fp8", causal)
-    kernel(q, k, cc.prepare_v_fp8(v), out, lse, torch.ones(3, b, hkv, device="cuda"), d ** -0.5 * math.log2(math.e))
+    kernel(q, k, prepare_v_fp8(v), out, lse, torch.ones(3, b, hkv, device="cuda"), d ** -0.5 * math.log2(math.e))
     assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.parametrize("seqlen", (1, 17, 113, 1023, 4096))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_v_layout_kernel_matches_the_torch_version(seqlen, head_dim, gen):
+    """The Triton V^T kernel against the torch permute-and-copy, byte for byte, on a poisoned output;
+    V as a strided view too ((batch, seqlen, heads, dim) storage, as attention(layout="bshd") passes it)."""
+    from attnforge.backends.cute_sm90 import v_layout
+
+    v = torch.randn(2, seqlen, 3, head_dim, generator=gen).to("cuda").to(torch.float8_e4m3fn).transpose(1, 2)
+    for tensor in (v, v.contiguous()):
+        want = v_layout.prepare_v_fp8_torch(tensor).view(torch.uint8)
+        poisoned = torch.full(want.shape, 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
+        got = v_layout.prepare_v_fp8(tensor, out=poisoned)
+        assert got.dtype == torch.float8_e4m3fn and got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8), want)
 
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
