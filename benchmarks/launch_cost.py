@@ -1,7 +1,8 @@
 """Wall time per call on a tiny problem (B=1, H=8, N=128, d=64, bf16), where the kernel itself is a few
 microseconds and the rest is the launch path: attnforge.attention() (automatic choice), the cute_sm90
 compiled kernel called directly, torch SDPA and FlashAttention-4 when installed. Calls are queued
-back to back and the queue drained once per repeat; median per-call time over repeats. The kernel
+back to back and the queue drained once per repeat, the implementations taking turns (round-robin);
+median per-call time over repeats. The kernel
 time alone is do_bench's CUDA-event median.
 
     python benchmarks/launch_cost.py [--json out.json]
@@ -22,18 +23,22 @@ import triton.testing
 import attnforge
 
 
-def per_call_us(fn, calls=200, repeats=15) -> float:
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
+def per_call_us(impls: dict, calls=200, repeats=15) -> dict:
+    """Median wall time per call for each implementation, measured round-robin (one batch of ``calls``
+    of each in turn, ``repeats`` times) so that drift in the host's speed hits all of them alike."""
+    for fn in impls.values():
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter_ns() - t0) / calls / 1e3)
-    return statistics.median(samples)
+    torch.cuda.synchronize()
+    samples = {name: [] for name in impls}
+    for _ in range(repeats):
+        for name, fn in impls.items():
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter_ns() - t0) / calls / 1e3)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def main() -> None:
@@ -64,13 +69,6 @@ def main() -> None:
         impls["dispatch only (decide_call)"] = lambda: decide_call(q, k, v, "bhsd", False, 0.0, False, None)
         impls["two torch.empty (out, lse)"] = lambda: (torch.empty_like(q), torch.empty(q.shape[:3], device="cuda"))
         impls["torch.empty(shape, dtype, device)"] = lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        n_out = q.numel() * q.element_size() // 4
-
-        def one_buffer():  # out and lse in one allocation, then two views
-            buf = torch.empty(n_out + q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device="cuda")
-            return buf[:n_out].view(q.dtype).view(q.shape), buf[n_out:].view(q.shape[:3])
-
-        impls["one torch.empty viewed as out and lse"] = one_buffer
     try:
         from flash_attn.cute import flash_attn_func
 
@@ -79,8 +77,9 @@ def main() -> None:
     except ImportError:
         pass
     rows = []
+    walls = per_call_us(impls)
     for name, fn in impls.items():
-        wall = per_call_us(fn)
+        wall = walls[name]
         kernel_us = triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
         rows.append(dict(impl=name, wall_us_per_call=wall, do_bench_us=kernel_us))
         print(f"{name:36s} wall {wall:7.1f} us/call   do_bench {kernel_us:7.1f} us", flush=True)

@@ -1,0 +1,50 @@
+"""Peak device memory of one attnforge.attention() forward at N=16384 (B=1, H=16, d=128), beyond the
+inputs: what the call allocates, against its outputs (out and LSE) and, for FP8, V^T (the one
+workspace, the size of V). An N x N score buffer would add 2 * 16 * 16384^2 = 8 GiB in bf16.
+
+    python benchmarks/peak_memory.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import attnforge
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--json")
+    args = p.parse_args()
+    rows = []
+    b, h, n, d = 1, 16, 16384, 128
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for causal in (False, True):
+            q, k, v = (torch.randn(b, h, n, d, device="cuda").to(dtype) for _ in range(3))
+            attnforge.attention(q, k, v, causal=causal)  # compile, self-check, decide: not part of the call
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = attnforge.attention(q, k, v, causal=causal)
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - base
+            out_bytes = out.numel() * out.element_size() + b * h * n * 4  # out and the fp32 LSE
+            workspace = v.numel() * v.element_size() if dtype == torch.float8_e4m3fn else 0  # V^T
+            decision = attnforge.last_decision()
+            row = dict(dtype=str(dtype), causal=causal, backend=decision.forward.backend, allocated_bytes=extra,
+                       outputs_bytes=out_bytes, workspace_bytes=workspace)
+            rows.append(row)
+            print(f"{str(dtype):22s} {'causal' if causal else 'full  '} {decision.forward.backend:10s} call allocated "
+                  f"{extra / 2**20:7.2f} MiB; out+LSE {out_bytes / 2**20:6.2f} MiB + V^T {workspace / 2**20:5.2f} MiB",
+                  flush=True)
+            del q, k, v, out
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shape": [b, h, n, d], "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
