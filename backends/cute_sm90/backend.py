@@ -33,6 +33,13 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+@functools.lru_cache(maxsize=256)
+def _lse_prototype(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """One fp32 element expanded to the LSE's shape: torch.empty_like() of it allocates a contiguous LSE
+    in about a third of torch.empty(shape, ...)'s time (no shape and device parsing; ~1 vs ~2.8 us on CPU)."""
+    return torch.empty(1, dtype=torch.float32, device=device).expand(shape)
+
+
 def cute_stack_missing() -> list[str]:
     """The reason the CuTe-DSL backends cannot run in this process, if a package they need is missing."""
     missing = [pkg for mod, pkg in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"))
@@ -102,10 +109,10 @@ class CuteSm90Backend(Backend):
         q, k = _tma_ready(q), _tma_ready(k)
         dtype = _DTYPE_NAME[q.dtype]
         kernel = cc.compiled(self.module(q.dtype, q.shape[-1]), dtype, causal)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        lse = torch.empty_like(_lse_prototype(q.shape[:3], q.device))
         scale_log2 = scale * 1.4426950408889634  # log2(e): the kernel works in exp2
         if dtype == "fp8":
-            out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+            out = torch.empty_like(q, dtype=torch.bfloat16)
             if descale is None:
                 descale = torch.ones(3, k.shape[0], k.shape[1], dtype=torch.float32, device=q.device)
             kernel(q, k, prepare_v_fp8(v), out, lse, descale, scale_log2)
