@@ -116,6 +116,9 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     # sweep_fp8.json), kernel alone, full/causal TFLOP/s: d=64 192x128 with 3 warpgroups 631/616 (128x128
     # 513/501, 128x192 556/561); d=128 128x128 877/879 (128x160, 128x192, 3 stages, no pingpong: no
     # better); d=256 128x128 1168/1145 despite a 56-byte spill (128x96 1089/1056, 128x64 1010/987).
+    # Session 3 (benchmarks/results/2026-11-29-h200-cute_sm90-session3/, d=128 non-causal): 192x64 with 3
+    # warpgroups 819, 192x96 889 vs 878 (one run, a lead: not yet GPU-tested as the pick); O rescaled before
+    # P V, exp2 partly on the FMA pipe and split row reductions were all slower.
     "fp8": {
         64: [Sm90FwdTile(192, 128, 2, **_3WG)],
         128: [Sm90FwdTile(128, 128, 2, **_2WG)],
