@@ -34,6 +34,10 @@ class Sm90FwdTile:
     producer_registers: int = 24
     consumer_registers: int = 240
     pingpong: bool = True  # named-barrier ordering of the consumer warpgroups' GEMMs
+    # Skip O's rescale in a warp whose rows' maxima did not grow in this block (a vote, then a branch
+    # over head_dim / 2 FMULs per thread). Exact. Compiled and SASS-checked, NOT yet timed on a GPU:
+    # a sweep candidate (benchmarks/sweep_cute_sm90.py), off in every table entry until measured.
+    skip_unit_rescale: bool = False
     cluster: tuple[int, int] = (1, 1)
     # Register spill (stack bytes, ptxas) accepted because the tile measured faster all the same; the
     # compile tests fail on any spill above it.
@@ -41,7 +45,7 @@ class Sm90FwdTile:
 
     def module(self, head_dim: int, kind: str = "16bit") -> str:
         return (f"fwd_{kind}_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.kv_stages}"
-                f"_wg{self.consumer_warpgroups}{'_pp' if self.pingpong else ''}")
+                f"_wg{self.consumer_warpgroups}{'_pp' if self.pingpong else ''}{'_su' if self.skip_unit_rescale else ''}")
 
     def params(self, head_dim: int, kind: str = "16bit") -> dict:
         return {**dataclasses.asdict(self), "head_dim": head_dim, "kind": kind}
@@ -58,7 +62,7 @@ class Sm90FwdTile:
 
     def describe(self, head_dim: int | None = None) -> str:
         return (f"{self.tile_m}x{self.tile_n} s{self.kv_stages} {self.consumer_warpgroups} consumer warpgroups"
-                f"{' pingpong' if self.pingpong else ''}")
+                f"{' pingpong' if self.pingpong else ''}{' skip unit rescale' if self.skip_unit_rescale else ''}")
 
 
 def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
