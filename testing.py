@@ -66,3 +66,21 @@ def fp8_peer(q, k, v, *, causal: bool, scale: float | None = None, p_scale: floa
     p, _ = math_probabilities(q64, k64, causal=causal, scale=scale)
     p = (p * p_scale).float().to(torch.float8_e4m3fn).double() / p_scale
     return p @ v64.repeat_interleave(q64.shape[1] // k64.shape[1], 1)
+
+
+def run_interpreter_tests(folder) -> None:
+    """Run the pytest files in ``folder`` in a process of their own with TRITON_INTERPRET=1 (Triton reads
+    the variable when kernels are decorated, so it cannot be switched on inside a running process);
+    fail with the tail of their output unless they all pass and none is skipped."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    folder = pathlib.Path(folder)
+    ini = next(p / "pytest.ini" for p in folder.parents if (p / "pytest.ini").is_file())
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ini), str(folder)],
+                         env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=1800)
+    tail = "\n".join(run.stdout.splitlines()[-40:]) + run.stderr[-2000:]
+    assert run.returncode == 0, tail
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], tail
