@@ -176,6 +176,8 @@ def _build(args) -> int:
     if args.backend in ("all", "triton_fa2") and triton_dtypes:
         builds = build.plan(args.target, dtypes=triton_dtypes, head_dims=args.head_dim, causal=causal)
     cute = build.cute_plan(args.target, args.dtype, args.head_dim, causal) if args.backend in ("all", "cute_sm90") else []
+    if args.backend in ("all", "cute_sm90"):
+        builds += build.fp8_layout_plan(args.target, args.dtype)  # FP8's V^T kernel (Triton)
     cute100 = (build.cute_sm100_plan(args.target, args.dtype, args.head_dim, causal)
                if args.backend in ("all", "cute_sm100") else [])
     if args.list:

@@ -14,6 +14,7 @@ import torch
 import triton.testing
 
 from attnforge.backends.cute_sm90 import v_layout
+from attnforge.backends.cute_sm90 import v_layout_kernel as kernel
 
 BLOCKS = ((32, 64), (64, 64), (64, 128), (128, 64), (128, 128), (32, 128))
 
@@ -23,16 +24,19 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
-    for d in (64, 128, 256):
+    for d in (64, 128, 256):  # every shape here divides the blocks (N a multiple of 128, d of 64)
         for n in (1024, 16384):
             b, h = 16384 // n, 2048 // d
             v = torch.randn(b, h, n, d, device="cuda").to(torch.float8_e4m3fn)
             want = v_layout.prepare_v_fp8_torch(v).view(torch.uint8)
             impls = {"torch strided copy": lambda: v_layout.prepare_v_fp8_torch(v)}
             for keys, dims in BLOCKS:
-                def run(keys=keys, dims=dims):
-                    v_layout.BLOCK_KEYS, v_layout.BLOCK_DIMS = keys, dims
-                    return v_layout.prepare_v_fp8(v)
+                def run(keys=keys, dims=dims):  # the kernel through Triton's JIT at this block shape
+                    out = torch.empty(b, h, d, n, dtype=torch.uint8, device="cuda")
+                    raw = v.view(torch.uint8)
+                    kernel.transpose_permute_keys[(n // keys, d // dims, b * h)](
+                        raw, out, n, n, d, h, *raw.stride()[:3], BLOCK_KEYS=keys, BLOCK_DIMS=dims, num_warps=4)
+                    return out
                 impls[f"triton {keys}x{dims}"] = run
             for name, fn in impls.items():
                 assert torch.equal(fn().view(torch.uint8), want), name

@@ -89,7 +89,11 @@ def _source(build: KernelBuild):
     """Triton's ASTSource for the kernel, specialised as the generated launcher calls it."""
     from triton.compiler import ASTSource
 
-    _, fn = _function(build)
+    module, fn = _function(build)
+    if hasattr(module, "AOT_SIGNATURE"):  # a hand-written kernel that declares its own (cute_sm90's V^T)
+        sig = dict(module.AOT_SIGNATURE)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in module.AOT_ALIGNED}
+        return ASTSource(fn=fn, signature=sig, constexprs=dict(module.AOT_CONSTEXPRS), attrs=attrs)
     sig, attrs = signature(fn, build.dtype)
     constexprs = {"HEAD_DIM": 1 << (build.head_dim - 1).bit_length(), "D": build.head_dim}
     if "CAUSAL" in sig:
@@ -297,6 +301,15 @@ def cute_plan(targets, dtypes=("fp16", "bf16"), head_dims=None, causal=(False, T
                 raise ValueError(f"cute_sm90 d={head_dim}: " + "; ".join(why))
             out += [(tile.module(head_dim, cc.KIND[dtype]), dtype, flag) for flag in causal]
     return out
+
+
+def fp8_layout_plan(targets, dtypes) -> list[KernelBuild]:
+    """cute_sm90's FP8 V^T kernel (Triton, head-dim generic) when the targets include sm90 and dtypes fp8."""
+    if "sm90" not in targets or "fp8" not in dtypes:
+        return []
+    from ..backends.cute_sm90 import v_layout
+
+    return [v_layout.aot_build("sm90")]
 
 
 def cute_sm100_plan(targets, dtypes=("fp16", "bf16"), head_dims=None, causal=(False, True)) -> list[tuple[str, str, bool]]:

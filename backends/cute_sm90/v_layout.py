@@ -2,10 +2,11 @@
 
 FP8 WGMMA wants both operands K-major, so P @ V reads V as (head_dim, keys) with keys contiguous; and P
 comes straight from the accumulator registers, whose key order the permutation matches. On a GPU this is
-one Triton kernel that reads V once and writes V^T once; torch's strided permute-and-copy of the same
-layout took 0.11-0.21 ms at 16k tokens on the H200 (benchmarks/results/2026-11-29-h200-cute_sm90-fp8/),
-several times what its bytes need. Elsewhere (CPU tests) the torch version runs, and it is the
-reference the Triton kernel is tested against.
+one Triton kernel (v_layout_kernel.py) that reads V once and writes V^T once: the one `attnforge build
+--target sm90 --dtype fp8` prebuilt when the cache has it, else Triton's JIT. torch's strided
+permute-and-copy of the same layout took 0.11-0.21 ms at 16k tokens on the H200
+(benchmarks/results/2026-11-29-h200-cute_sm90-fp8/), several times what its bytes need. Elsewhere (CPU
+tests) the torch version runs, and it is the reference the Triton kernel is tested against.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def prepare_v_fp8(v: torch.Tensor, use_triton: bool | None = None, out: torch.Te
     (batch, heads_kv, head_dim, padded) tensor to write (Triton only; tests poison it)."""
     if not (v.is_cuda if use_triton is None else use_triton):
         return prepare_v_fp8_torch(v)
+    from . import v_layout_kernel as k
+
     b, h, n, d = v.shape
     padded = padded_keys(n)
     raw = v.view(torch.uint8)
@@ -51,40 +54,47 @@ def prepare_v_fp8(v: torch.Tensor, use_triton: bool | None = None, out: torch.Te
     if out is None:
         out = torch.empty(b, h, d, padded, dtype=torch.uint8, device=v.device)
     if out.numel():
-        grid = (-(-padded // BLOCK_KEYS), -(-d // BLOCK_DIMS), b * h)
-        _kernel()[grid](raw, out, n, padded, d, h, raw.stride(0), raw.stride(1), raw.stride(2),
-                        BLOCK_KEYS=BLOCK_KEYS, BLOCK_DIMS=BLOCK_DIMS)
+        grid = (-(-padded // k.BLOCK_KEYS), -(-d // k.BLOCK_DIMS), b * h)
+        args = (raw, out, n, padded, d, h, raw.stride(0), raw.stride(1), raw.stride(2))
+        prebuilt = _prebuilt(v.device) if v.is_cuda else None
+        if prebuilt is not None and _launchable(args):
+            prebuilt[grid](*args, k.BLOCK_KEYS, k.BLOCK_DIMS)
+        else:
+            k.transpose_permute_keys[grid](*args, BLOCK_KEYS=k.BLOCK_KEYS, BLOCK_DIMS=k.BLOCK_DIMS,
+                                           num_warps=k.NUM_WARPS, num_stages=k.NUM_STAGES)
     return out.view(v.dtype)
 
 
-# Keys x head dims per program. H200, 16k tokens (benchmarks/results/2026-11-29-h200-cute_sm90-session3/
-# v_layout.json): 128x64 took 21-24 us at d=64/128/256 (~3 TB/s), within 2% of the best shape at each
-# (64x128 at d=128: 22.2 us vs 22.6); torch's strided copy took 115-207 us.
-BLOCK_KEYS, BLOCK_DIMS = 128, 64
-_KERNEL = None
+def aot_build(arch: str = "sm90"):
+    """The KernelBuild `attnforge build` compiles for this kernel (head-dim generic: head_dim 0)."""
+    from ...codegen import build
+    from . import v_layout_kernel as k
+
+    return build.KernelBuild("v_layout_kernel", "transpose_permute_keys", arch, "fp8", 0, False, k.NUM_WARPS,
+                             k.NUM_STAGES, package=__package__)
 
 
-def _kernel():
-    """The Triton kernel, defined on first use (importing triton costs ~1 s)."""
-    global _KERNEL
-    if _KERNEL is None:
-        import triton
-        import triton.language as tl
+_PREBUILT: dict = {}  # per process: device -> CompiledKernel or None
 
-        @triton.jit
-        def transpose_permute_keys(v_ptr, out_ptr, seqlen, padded, head_dim, heads, stride_b, stride_h, stride_n,
-                                   BLOCK_KEYS: tl.constexpr, BLOCK_DIMS: tl.constexpr):
-            pid_keys, pid_dims, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-            slots = pid_keys * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS)
-            s = slots % 32
-            keys = slots - s + 16 * (s // 16) + 8 * ((s % 4) // 2) + 2 * ((s % 16) // 4) + s % 2  # key_of_slot
-            dims = pid_dims * BLOCK_DIMS + tl.arange(0, BLOCK_DIMS)
-            batch, head = pid_bh // heads, pid_bh % heads
-            src = (v_ptr + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
-                   + keys.to(tl.int64)[:, None] * stride_n + dims[None, :])
-            tile = tl.load(src, mask=(keys[:, None] < seqlen) & (dims[None, :] < head_dim), other=0)
-            dst = out_ptr + pid_bh.to(tl.int64) * head_dim * padded + dims.to(tl.int64)[:, None] * padded + slots[None, :]
-            tl.store(dst, tl.trans(tile), mask=(dims[:, None] < head_dim) & (slots[None, :] < padded))
 
-        _KERNEL = transpose_permute_keys
-    return _KERNEL
+def _prebuilt(device: torch.device):
+    """The kernel `attnforge build --target sm90 --dtype fp8` left in the cache, or None (then the JIT)."""
+    import os
+
+    if device not in _PREBUILT:
+        from ...codegen import build
+        from ...dispatch.device import detect
+
+        spec = detect(device)
+        found = None
+        if spec.vendor == "nvidia" and spec.arch == "sm90" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            found = build.load_cached(aot_build(spec.arch), build.default_cache_dir())
+        _PREBUILT[device] = found
+    return _PREBUILT[device]
+
+
+def _launchable(args) -> bool:
+    """What the prebuilt kernel assumes: 16-byte-aligned pointers, 32-bit integers."""
+    from ..triton_fa2.runtime import _compatible
+
+    return _compatible(args)

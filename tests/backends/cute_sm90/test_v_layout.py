@@ -1,9 +1,63 @@
-"""The FP8 V^T Triton kernel in Triton's interpreter on CPU (interpreter/, in a process of its own)."""
+"""The FP8 V^T Triton kernel: in Triton's interpreter on CPU (interpreter/, in a process of its own), built
+ahead of time for sm90 with no GPU, and launched from that build on an H100/H200."""
 
+import os
 import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
 
 from attnforge.testing import run_interpreter_tests
 
 
 def test_v_layout_kernel_in_the_interpreter():
     run_interpreter_tests(pathlib.Path(__file__).parent / "interpreter")
+
+
+def test_build_compiles_the_v_layout_kernel_for_sm90_with_no_gpu(tmp_path, capsys):
+    """`attnforge build --target sm90 --dtype fp8` includes FP8's V^T kernel; it compiles for sm90 here
+    (no GPU), spilling no more than it is allowed, and loads back from the cache as a launchable kernel."""
+    from attnforge.backends.cute_sm90 import v_layout, v_layout_kernel
+    from attnforge.cli import main
+    from attnforge.codegen import build
+
+    name = v_layout.aot_build().name()
+    assert main(["build", "--target", "sm90", "--dtype", "fp8", "--backend", "cute_sm90", "--list"]) == 0
+    assert name in capsys.readouterr().out
+    for args in (["--dtype", "bf16"], ["--target", "sm89", "--dtype", "fp8"]):  # nothing to make V^T for
+        assert main(["build", "--target", "sm90", *args, "--backend", "cute_sm90", "--list"]) == 0
+        assert name not in capsys.readouterr().out
+    meta, built = build.build_cached(v_layout.aot_build(), tmp_path, keep_asm=True)
+    assert built and meta["stack_bytes"] <= v_layout_kernel.ACCEPTED_SPILL_BYTES, meta
+    assert build.load_cached(v_layout.aot_build(), tmp_path) is not None
+
+
+RUN_PREBUILT = """
+import torch
+from attnforge.backends.cute_sm90 import v_layout, v_layout_kernel
+from attnforge.codegen import build
+build.build_cached(v_layout.aot_build(), build.default_cache_dir())
+class Refuse:
+    def __getitem__(self, grid):
+        raise AssertionError("JIT launch although the kernel was built ahead of time")
+v_layout_kernel.transpose_permute_keys = Refuse()
+v = torch.randn(2, 113, 3, 128, device="cuda").to(torch.float8_e4m3fn).transpose(1, 2)
+want = v_layout.prepare_v_fp8_torch(v).view(torch.uint8)
+poisoned = torch.full(want.shape, 0x7F, dtype=torch.uint8, device="cuda")
+got = v_layout.prepare_v_fp8(v.contiguous(), out=poisoned)
+assert torch.equal(got.view(torch.uint8), want)
+print("prebuilt ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs an sm90 GPU")
+def test_prebuilt_v_layout_kernel_runs_on_the_gpu(tmp_path):
+    """Built ahead of time into a fresh cache, the V^T kernel is launched from it (the JIT refused) and
+    writes every byte the torch version does."""
+    run = subprocess.run([sys.executable, "-c", RUN_PREBUILT], env=dict(os.environ, ATTNFORGE_CACHE_DIR=str(tmp_path)),
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and "prebuilt ok" in run.stdout, run.stderr[-3000:]
