@@ -40,7 +40,7 @@ class KernelBuild:
     kernel: str  # function name in it
     arch: str  # "sm80", "sm90", ...
     dtype: str
-    head_dim: int
+    head_dim: int  # 0: a kernel that serves every head dim (cute_sm90's FP8 V^T)
     causal: bool
     num_warps: int
     num_stages: int
@@ -59,7 +59,7 @@ class KernelBuild:
         return GPUTarget("cuda", int(self.arch.removeprefix("sm")), 32)
 
     def name(self) -> str:
-        return (f"{self.module}.{self.kernel}.{self.arch}.{self.dtype}.d{self.head_dim}."
+        return (f"{self.module}.{self.kernel}.{self.arch}.{self.dtype}.d{self.head_dim or 'any'}."
                 f"{'causal' if self.causal else 'full'}")
 
 
