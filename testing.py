@@ -47,12 +47,20 @@ def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, peer: torch.Tens
     x, ref, peer = x[finite], ref[finite], peer[finite]
     if ref.numel() == 0:
         return
-    err = (x.double() - ref).abs().max().item()
-    peer_err = (peer.double() - ref).abs().max().nan_to_num(float("inf")).item()
+    err, bound, peer_err = error_and_bound(x, ref, peer, factor=factor, ulps=ulps)
+    assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e} (PyTorch's own error in {x.dtype}: {peer_err:.3e})"
+
+
+def error_and_bound(x: torch.Tensor, ref: torch.Tensor, peer: torch.Tensor, *, factor: float = 2.0,
+                    ulps: float = 4.0) -> tuple[float, float, float]:
+    """assert_close's rule as numbers: (max|x - ref|, its bound, max|peer - ref|), the bound being
+    factor * max|peer - ref| + ulps * eps(x's dtype) * max(max|ref|, 1). For finite, non-empty ref."""
+    err = (x.double() - ref.double()).abs().max().item()
+    peer_err = (peer.double() - ref.double()).abs().max().nan_to_num(float("inf")).item()
     # The floor is a few units of rounding at the result's scale, at least unit scale: an exactly-zero
     # reference (dq when a row sees one key) still leaves fp32 rounding of O(1) intermediates.
     bound = factor * peer_err + ulps * torch.finfo(x.dtype).eps * max(ref.abs().max().item(), 1.0)
-    assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e} (PyTorch's own error in {x.dtype}: {peer_err:.3e})"
+    return err, bound, peer_err
 
 
 def fp8_peer(q, k, v, *, causal: bool, scale: float | None = None, p_scale: float = 256.0) -> torch.Tensor:

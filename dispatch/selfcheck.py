@@ -1,5 +1,5 @@
 """Self-check on first use: before a (backend, variant, device) first serves a call in a process, it
-runs a tiny problem of the same variant (dtype, head dims, causality, GQA, odd lengths) against fp32
+runs a tiny problem of the same variant (dtype, head dims, causality, GQA, odd lengths) against fp64
 math on the same device. A variant that disagrees beyond tolerance (or gives NaN, or raises) is
 disabled for the process: the Decision lists it as rejected with "self-check failed: ...", the
 fallback is logged, and the call goes to the next backend.
@@ -96,8 +96,9 @@ def reasons(backend, problem: Problem) -> tuple[str, ...]:
 
 
 def _run(backend, problem: Problem) -> tuple[str, ...]:
-    """The tiny problem, on the device, against fp32 math on the same (rounded) inputs."""
+    """The tiny problem, on the device, against fp64 math on the same (rounded) inputs."""
     from ..backends.reference import math_attention
+    from ..testing import error_and_bound, fp8_peer, rel_error
 
     device, dtype = problem.device.torch_device, DTYPES[problem.dtype]
     g = torch.Generator().manual_seed(0)
@@ -113,29 +114,22 @@ def _run(backend, problem: Problem) -> tuple[str, ...]:
     except Exception as exc:  # a kernel that cannot even run is as broken as a wrong one
         return (f"self-check failed: the tiny problem raised {type(exc).__name__}: {str(exc)[:200]}",)
     ref, _ = math_attention(q.double(), k.double(), v.double(), causal=problem.causal, scale=scale)
-    if problem.dtype == "fp8":  # FP8's own error: P rounded to e4m3 (torch has no fp8 matmul to compare with)
-        from ..testing import fp8_peer
-
-        peer, out_dtype = fp8_peer(q.float(), k.float(), v.float(), causal=problem.causal, scale=scale), torch.bfloat16
-    else:  # torch's own error computing the same thing in this dtype
-        peer, _ = math_attention(q, k, v, causal=problem.causal, scale=scale)
-        out_dtype = dtype
-    out = out.double()
     if not torch.isfinite(out).all():
         return ("self-check failed: NaN or inf in the output of a tiny problem",)
-    if problem.dtype == "fp8":  # as the FP8 tests: relative Frobenius error, at most 1.2x that of rounding P
-        err, peer_rel = ((out - ref).norm() / ref.norm()).item(), ((peer.double() - ref).norm() / ref.norm()).item()
+    if problem.dtype == "fp8":  # as the FP8 tests: relative Frobenius error, at most 1.2x that of rounding P to
+        # e4m3 (FP8's own error; torch has no fp8 matmul to compare with)
+        err = rel_error(out, ref)
+        peer_rel = rel_error(fp8_peer(q.float(), k.float(), v.float(), causal=problem.causal, scale=scale), ref)
         if not err <= 1.2 * peer_rel + 2 ** -8:
-            return (f"self-check failed: relative error {err:.3g} against fp32 math on a tiny problem "
+            return (f"self-check failed: relative error {err:.3g} against fp64 math on a tiny problem "
                     f"(FP8's own, P rounded to e4m3: {peer_rel:.3g})",)
         return ()
-    err = (out - ref).abs().max().item()
-    peer_err = (peer.double() - ref).abs().max().nan_to_num(float("inf")).item()
-    # the test suite's rule: twice torch's own error plus sqrt(reduction length) units of rounding
-    ulps = 4 * max(SEQLEN_K, problem.head_dim) ** 0.5
-    bound = 2 * peer_err + ulps * torch.finfo(out_dtype).eps * max(ref.abs().max().item(), 1.0)
+    # the test suite's rule (testing.assert_close): twice torch's own error computing the same thing in this
+    # dtype, plus sqrt(reduction length) units of rounding
+    peer, _ = math_attention(q, k, v, causal=problem.causal, scale=scale)
+    err, bound, peer_err = error_and_bound(out, ref, peer, ulps=4 * max(SEQLEN_K, problem.head_dim) ** 0.5)
     if err > bound:
-        return (f"self-check failed: max error {err:.3g} against fp32 math on a tiny problem "
+        return (f"self-check failed: max error {err:.3g} against fp64 math on a tiny problem "
                 f"(bound {bound:.3g}; torch's own {problem.dtype} error {peer_err:.3g})",)
     return ()
 

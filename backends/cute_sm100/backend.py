@@ -15,7 +15,7 @@ import torch
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend
 from ...dispatch.support import Support
-from ..cute_sm90.backend import _DTYPE_NAME, _tma_ready, cute_stack_missing
+from ..cute_sm90.backend import _DTYPE_NAME, LOG2_E, _lse_prototype, _tma_ready, cute_stack_missing
 from . import compile as cc
 from . import variants
 
@@ -60,6 +60,6 @@ class CuteSm100Backend(Backend):
         q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
         kernel = cc.compiled(self.module(q.shape[-1]), _DTYPE_NAME[q.dtype], causal)
         out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        kernel(q, k, v, out, lse, scale * 1.4426950408889634)  # log2(e): the kernel works in exp2
+        lse = torch.empty_like(_lse_prototype(q.shape[:3], q.device))
+        kernel(q, k, v, out, lse, scale * LOG2_E)
         return out, lse

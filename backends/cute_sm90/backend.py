@@ -22,6 +22,7 @@ from .v_layout import prepare_v_fp8
 
 
 _DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
+LOG2_E = 1.4426950408889634  # the kernels work in exp2: they take scale * log2(e)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -110,7 +111,7 @@ class CuteSm90Backend(Backend):
         dtype = _DTYPE_NAME[q.dtype]
         kernel = cc.compiled(self.module(q.dtype, q.shape[-1]), dtype, causal)
         lse = torch.empty_like(_lse_prototype(q.shape[:3], q.device))
-        scale_log2 = scale * 1.4426950408889634  # log2(e): the kernel works in exp2
+        scale_log2 = scale * LOG2_E
         if dtype == "fp8":
             out = torch.empty_like(q, dtype=torch.bfloat16)
             if descale is None:

@@ -54,47 +54,20 @@ def prepare_v_fp8(v: torch.Tensor, use_triton: bool | None = None, out: torch.Te
     if out is None:
         out = torch.empty(b, h, d, padded, dtype=torch.uint8, device=v.device)
     if out.numel():
+        from ..triton_fa2.runtime import launch
+
         grid = (-(-padded // k.BLOCK_KEYS), -(-d // k.BLOCK_DIMS), b * h)
         args = (raw, out, n, padded, d, h, raw.stride(0), raw.stride(1), raw.stride(2))
-        prebuilt = _prebuilt(v.device) if v.is_cuda else None
-        if prebuilt is not None and _launchable(args):
-            prebuilt[grid](*args, k.BLOCK_KEYS, k.BLOCK_DIMS)
-        else:
-            k.transpose_permute_keys[grid](*args, BLOCK_KEYS=k.BLOCK_KEYS, BLOCK_DIMS=k.BLOCK_DIMS,
-                                           num_warps=k.NUM_WARPS, num_stages=k.NUM_STAGES)
+        launch(k.transpose_permute_keys, grid, args, dict(k.AOT_CONSTEXPRS), k.NUM_WARPS, k.NUM_STAGES,
+               dtype_name="fp8")
     return out.view(v.dtype)
 
 
 def aot_build(arch: str = "sm90"):
-    """The KernelBuild `attnforge build` compiles for this kernel (head-dim generic: head_dim 0)."""
+    """The KernelBuild `attnforge build` compiles for this kernel (head-dim generic: head_dim 0), named as
+    triton_fa2.runtime.launch looks it up."""
     from ...codegen import build
     from . import v_layout_kernel as k
 
     return build.KernelBuild("v_layout_kernel", "transpose_permute_keys", arch, "fp8", 0, False, k.NUM_WARPS,
                              k.NUM_STAGES, package=__package__)
-
-
-_PREBUILT: dict = {}  # per process: device -> CompiledKernel or None
-
-
-def _prebuilt(device: torch.device):
-    """The kernel `attnforge build --target sm90 --dtype fp8` left in the cache, or None (then the JIT)."""
-    import os
-
-    if device not in _PREBUILT:
-        from ...codegen import build
-        from ...dispatch.device import detect
-
-        spec = detect(device)
-        found = None
-        if spec.vendor == "nvidia" and spec.arch == "sm90" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            found = build.load_cached(aot_build(spec.arch), build.default_cache_dir())
-        _PREBUILT[device] = found
-    return _PREBUILT[device]
-
-
-def _launchable(args) -> bool:
-    """What the prebuilt kernel assumes: 16-byte-aligned pointers, 32-bit integers."""
-    from ..triton_fa2.runtime import _compatible
-
-    return _compatible(args)

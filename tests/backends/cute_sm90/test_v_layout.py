@@ -32,6 +32,8 @@ def test_build_compiles_the_v_layout_kernel_for_sm90_with_no_gpu(tmp_path, capsy
     meta, built = build.build_cached(v_layout.aot_build(), tmp_path, keep_asm=True)
     assert built and meta["stack_bytes"] <= v_layout_kernel.ACCEPTED_SPILL_BYTES, meta
     assert build.load_cached(v_layout.aot_build(), tmp_path) is not None
+    kb, fn = v_layout.aot_build(), v_layout_kernel.transpose_permute_keys.fn  # the name the runtime looks up
+    assert (f"{kb.package}.{kb.module}", kb.kernel) == (fn.__module__, fn.__name__)
 
 
 RUN_PREBUILT = """
@@ -39,10 +41,9 @@ import torch
 from attnforge.backends.cute_sm90 import v_layout, v_layout_kernel
 from attnforge.codegen import build
 build.build_cached(v_layout.aot_build(), build.default_cache_dir())
-class Refuse:
-    def __getitem__(self, grid):
-        raise AssertionError("JIT launch although the kernel was built ahead of time")
-v_layout_kernel.transpose_permute_keys = Refuse()
+def refuse(self, grid):
+    raise AssertionError("JIT launch although the kernel was built ahead of time")
+type(v_layout_kernel.transpose_permute_keys).__getitem__ = refuse  # this process launches nothing else
 v = torch.randn(2, 113, 3, 128, device="cuda").to(torch.float8_e4m3fn).transpose(1, 2)
 want = v_layout.prepare_v_fp8_torch(v).view(torch.uint8)
 poisoned = torch.full(want.shape, 0x7F, dtype=torch.uint8, device="cuda")
