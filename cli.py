@@ -165,6 +165,16 @@ def _codegen(args) -> int:
     return codegen_main(["--check"] if args.check else [])
 
 
+def _head_dims_for(args, backend: str):
+    """The --head-dim list for one CuTe backend: with --backend all, only the head dims it has kernels for
+    (the others fall back to triton_fa2 at run time); forced to that backend, all of them (a missing one
+    is an error)."""
+    if args.backend != backend and args.head_dim is not None:
+        have = importlib.import_module(f".backends.{backend}.variants", __package__).HEAD_DIMS
+        return [d for d in args.head_dim if d in have]
+    return args.head_dim
+
+
 def _build(args) -> int:
     import pathlib
 
@@ -172,14 +182,18 @@ def _build(args) -> int:
 
     causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
     triton_dtypes = tuple(d for d in args.dtype if d in build.TRITON_DTYPES)
-    builds = []
+    builds, cute, cute100 = [], [], []
     if args.backend in ("all", "triton_fa2") and triton_dtypes:
         builds = build.plan(args.target, dtypes=triton_dtypes, head_dims=args.head_dim, causal=causal)
-    cute = build.cute_plan(args.target, args.dtype, args.head_dim, causal) if args.backend in ("all", "cute_sm90") else []
     if args.backend in ("all", "cute_sm90"):
-        builds += build.fp8_layout_plan(args.target, args.dtype)  # FP8's V^T kernel (Triton)
-    cute100 = (build.cute_sm100_plan(args.target, args.dtype, args.head_dim, causal)
-               if args.backend in ("all", "cute_sm100") else [])
+        head_dims = _head_dims_for(args, "cute_sm90")
+        if head_dims != []:
+            cute = build.cute_plan(args.target, args.dtype, head_dims, causal)
+            builds += build.fp8_layout_plan(args.target, args.dtype)  # FP8's V^T kernel (Triton)
+    if args.backend in ("all", "cute_sm100"):
+        head_dims = _head_dims_for(args, "cute_sm100")
+        if head_dims != []:
+            cute100 = build.cute_sm100_plan(args.target, args.dtype, head_dims, causal)
     if args.list:
         for b in builds:
             print(b.name())

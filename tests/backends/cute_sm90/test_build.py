@@ -9,7 +9,7 @@ import sys
 import pytest
 
 # find_spec, not importorskip: importing cutlass here would fix its target arch for the whole session
-pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
+needs_cute = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
 
 LOAD = """
@@ -34,6 +34,19 @@ def test_build_lists_both_sm90_backends(capsys):
     assert capsys.readouterr().out.strip() == "0 kernels"
 
 
+def test_build_all_leaves_out_head_dims_a_cute_backend_has_no_kernel_for(capsys):
+    """With the default --backend all, a head dim only triton_fa2 has builds triton_fa2's kernels; forcing
+    the CuTe backend to build it is an error that names the head dim."""
+    from attnforge.cli import main
+
+    assert main(["build", "--target", "sm90,sm100", "--head-dim", "96", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert ".sm90.fp16.d96." in out and ".sm100.fp16.d96." in out and "cute_sm" not in out
+    assert main(["build", "--target", "sm90", "--backend", "cute_sm90", "--head-dim", "96", "--list"]) == 2
+    assert "head_dim 96 has no cute_sm90 kernel" in capsys.readouterr().err
+
+
+@needs_cute
 def test_prebuilt_kernel_is_loaded_not_compiled(tmp_path):
     env = dict(os.environ, ATTNFORGE_CACHE_DIR=str(tmp_path))
     built = subprocess.run([sys.executable, "-m", "attnforge", "build", "--target", "sm90", "--backend", "cute_sm90",
@@ -61,6 +74,7 @@ print("error", rel_error(out, oracle(q, k, v, causal=True)[0]))
 """
 
 
+@needs_cute
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.get_device_capability() != (9, 0),
                     reason="needs an sm90 GPU")
