@@ -116,13 +116,17 @@ def _nvidia_tool(name: str) -> str:
     return str(pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+def cuobjdump(*args: str) -> str:
+    """The output of the cuobjdump that Triton ships (SASS listings, resource usage), no GPU needed."""
+    return subprocess.run([_nvidia_tool("cuobjdump"), *args], capture_output=True, text=True, check=True).stdout
+
+
 def resources(cubin: bytes) -> dict:
     """Registers, stack (spill) bytes and local memory of a cubin, from cuobjdump -res-usage."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        text = cuobjdump("-res-usage", f.name)
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
     return {"registers": int(fields.get("REG", 0)), "stack_bytes": int(fields.get("STACK", 0)),
             "local_bytes": int(fields.get("LOCAL", 0))}

@@ -4,15 +4,14 @@ sm_100a (in a child process set up for that arch) with its SASS showing the Blac
 
 import collections
 import importlib.util
-import pathlib
 import re
-import subprocess
 
 import pytest
 
 from attnforge import explain
 from attnforge.backends.cute_sm100 import variants
 from attnforge.backends.cute_sm100.variants import Sm100FwdTile, check
+from attnforge.codegen.build import cuobjdump, resources
 
 
 def test_every_head_dim_has_a_valid_pick():
@@ -42,13 +41,6 @@ def test_b200_chooses_it_and_triton_fa2_runs_the_backward():
                                                              seqlen_q=64).forward.candidates]
 
 
-def cuobjdump(*args) -> str:
-    import triton
-
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
-
-
 PICKS = [(head_dim, tile, dtype, causal) for head_dim, tile in variants.picks() for dtype in ("fp16", "bf16")
          for causal in (False, True)]
 
@@ -65,6 +57,5 @@ def test_variant_compiles_for_sm100a_with_tcgen05_tma_and_tmem(tmp_path, head_di
     sass = cuobjdump("-sass", str(cubin))
     seen = collections.Counter(re.findall(r"\b(UTCHMMA|UTMALDG|LDTM|STTM|UTCBAR)\b", sass))
     assert all(seen[i] for i in ("UTCHMMA", "UTMALDG", "LDTM", "STTM", "UTCBAR")), seen
-    usage = cuobjdump("-res-usage", str(cubin))
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    assert stack <= tile.accepted_spill_bytes and re.search(r"LOCAL:0\b", usage), usage
+    usage = resources(cubin.read_bytes())
+    assert usage["stack_bytes"] <= tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage

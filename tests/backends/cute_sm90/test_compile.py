@@ -4,7 +4,6 @@ between producer and consumer warpgroups), with no register spills."""
 
 import collections
 import importlib.util
-import pathlib
 import re
 import subprocess
 
@@ -12,17 +11,11 @@ import pytest
 
 from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90 import variants
+from attnforge.codegen.build import cuobjdump, resources
 
 # find_spec, not importorskip: importing cutlass here would fix its target arch for the whole session
 pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
-
-
-def cuobjdump(*args) -> str:
-    import triton
-
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
 
 
 PICKS = [(kind, head_dim, tile, dtype, causal) for kind, head_dim, tile in variants.picks()
@@ -42,9 +35,8 @@ def test_variant_compiles_for_sm90a_with_wgmma_and_tma(tmp_path, kind, head_dim,
     element, k = {"fp16": ("", 16), "bf16": (r"\.BF16", 16), "fp8": (r"\.E4M3\.E4M3", 32)}[dtype]
     assert re.search(rf"{mma}\.64x{tile.tile_n}x{k}\.F32{element}\s", sass)  # S = Q K^T, one key block
     assert re.search(rf"{mma}\.64x{head_dim}x{k}\.F32{element}\s", sass)  # O += P V
-    usage = cuobjdump("-res-usage", str(cubin))
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    assert stack <= tile.accepted_spill_bytes and re.search(r"LOCAL:0\b", usage), usage  # no spills beyond those accepted
+    usage = resources(cubin.read_bytes())
+    assert usage["stack_bytes"] <= tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage  # no spills beyond those accepted
 
 
 # Renders and compiles a tile no table entry picks, in a process of its own whose CuTe DSL targets

@@ -38,7 +38,7 @@ def test_descales_are_checked():
         attnforge.attention(q8, q8, q8, k_descale=torch.ones(2))
 
 
-def test_fp8_on_a_cpu_says_which_backends_could_serve_it():
+def test_fp8_on_a_cpu_is_refused_with_the_reason():
     q8 = torch.randn(1, 2, 8, 64).to(torch.float8_e4m3fn)
     with pytest.raises(attnforge.BackendUnavailableError, match="dtype fp8 is not supported"):
         attnforge.attention(q8, q8, q8)
