@@ -47,6 +47,25 @@ def time_ms(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> tuple[
     return statistics.median(samples), deciles[0], deciles[-1]
 
 
+def wall_us_per_call(impls: dict, calls: int, repeats: int, sync) -> dict:
+    """Median host wall time per call (us) of each implementation in ``impls`` (name -> fn): ``calls``
+    queued back to back, then ``sync()``, ``repeats`` times, the implementations taking turns so that
+    drift in the host's speed hits them alike. On a GPU, with a tiny problem, this is the launch path."""
+    for fn in impls.values():  # warm-up: decision caches, compilation, torch's own dispatch caches
+        for _ in range(calls):
+            fn()
+    sync()
+    samples = {name: [] for name in impls}
+    for _ in range(repeats):
+        for name, fn in impls.items():
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            sync()
+            samples[name].append((time.perf_counter_ns() - t0) / calls / 1e3)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
 def peak_mem_bytes(fn, device: torch.device) -> int | None:
     if device.type != "cuda":
         return None

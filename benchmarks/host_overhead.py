@@ -2,7 +2,8 @@
 
 On a problem small enough that the kernel time is negligible, both paths are timed per call
 (host wall clock; on a GPU the calls are queued without a sync in between, and the queue is
-drained once per repeat, so the number is the launch-path cost). Median over repeats.
+drained once per repeat, so the number is the launch-path cost). Median over repeats, the paths
+taking turns (bench.measure.wall_us_per_call).
 
     python benchmarks/host_overhead.py [--device cuda] [--json out.json]
 """
@@ -11,28 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import attnforge
+from attnforge.bench.measure import wall_us_per_call
 from attnforge.dispatch import registered
-
-
-def per_call_us(fn, calls: int, repeats: int, sync) -> float:
-    for _ in range(calls):  # warm-up: decision cache, torch's own dispatch caches
-        fn()
-    sync()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
-            fn()
-        sync()
-        samples.append((time.perf_counter_ns() - t0) / calls / 1e3)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -47,7 +33,6 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     q, k, v = (torch.randn(1, 2, 16, 64, device=dev, dtype=dtype) for _ in range(3))
     scale = 64 ** -0.5
-    rows = []
     with torch.inference_mode():
         decision = attnforge.explain(q, k, v, causal=True)
         chosen = registered()[decision.forward.backend]
@@ -60,8 +45,8 @@ def main() -> None:
             f"attnforge.attention (backend={chosen.name!r})":
                 lambda: attnforge.attention(q, k, v, causal=True, backend=chosen.name),
         }
-        for name, fn in cases.items():
-            rows.append({"path": name, "median_us_per_call": per_call_us(fn, args.calls, args.repeats, sync)})
+        walls = wall_us_per_call(cases, args.calls, args.repeats, sync)
+        rows = [{"path": name, "median_us_per_call": us} for name, us in walls.items()]
     direct = rows[1]["median_us_per_call"]
     print(f"device {dev} ({attnforge.dispatch.detect(dev).name}), torch {torch.__version__}, attnforge "
           f"{attnforge.__version__}; problem (1, 2, 16, 64) {dtype}, causal; decision: {chosen.name}")

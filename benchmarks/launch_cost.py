@@ -13,32 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 import triton.testing
 
 import attnforge
-
-
-def per_call_us(impls: dict, calls=200, repeats=15) -> dict:
-    """Median wall time per call for each implementation, measured round-robin (one batch of ``calls``
-    of each in turn, ``repeats`` times) so that drift in the host's speed hits all of them alike."""
-    for fn in impls.values():
-        for _ in range(calls):
-            fn()
-    torch.cuda.synchronize()
-    samples = {name: [] for name in impls}
-    for _ in range(repeats):
-        for name, fn in impls.items():
-            t0 = time.perf_counter_ns()
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter_ns() - t0) / calls / 1e3)
-    return {name: statistics.median(s) for name, s in samples.items()}
+from attnforge.bench.measure import wall_us_per_call
 
 
 def main() -> None:
@@ -77,7 +58,7 @@ def main() -> None:
     except ImportError:
         pass
     rows = []
-    walls = per_call_us(impls)
+    walls = wall_us_per_call(impls, calls=200, repeats=15, sync=torch.cuda.synchronize)
     for name, fn in impls.items():
         wall = walls[name]
         kernel_us = triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3

@@ -8,11 +8,17 @@ workspace, the size of V). An N x N score buffer would add 2 * 16 * 16384^2 = 8 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
 
 import attnforge
+from attnforge.bench.measure import peak_mem_bytes
+
+
+def _call_into(outs: list, q, k, v, causal: bool) -> None:
+    outs.append(attnforge.attention(q, k, v, causal=causal))
 
 
 def main() -> None:
@@ -25,12 +31,9 @@ def main() -> None:
         for causal in (False, True):
             q, k, v = (torch.randn(b, h, n, d, device="cuda").to(dtype) for _ in range(3))
             attnforge.attention(q, k, v, causal=causal)  # compile, self-check, decide: not part of the call
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            out = attnforge.attention(q, k, v, causal=causal)
-            torch.cuda.synchronize()
-            extra = torch.cuda.max_memory_allocated() - base
+            outs = []
+            extra = peak_mem_bytes(functools.partial(_call_into, outs, q, k, v, causal), q.device)
+            out = outs.pop()
             out_bytes = out.numel() * out.element_size() + b * h * n * 4  # out and the fp32 LSE
             workspace = v.numel() * v.element_size() if dtype == torch.float8_e4m3fn else 0  # V^T
             decision = attnforge.last_decision()

@@ -10,7 +10,6 @@ committed beside them.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import pathlib
@@ -21,39 +20,28 @@ import triton.testing
 
 from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
-from attnforge.backends.cute_sm90.variants import Sm90FwdTile, check
-from attnforge.codegen.render import render
+from attnforge.backends.cute_sm90.variants import WG2, WG3, Sm90FwdTile, check
+from attnforge.bench.measure import flops
+from attnforge.codegen.render import load_rendered
 
-_2WG = dict(consumer_warpgroups=2, producer_registers=24, consumer_registers=240)
-_3WG = dict(consumer_warpgroups=3, producer_registers=32, consumer_registers=160)
 CANDIDATES = {
-    64: [Sm90FwdTile(128, 128, 2, **_2WG), Sm90FwdTile(192, 128, 2, **_3WG), Sm90FwdTile(128, 192, 2, **_2WG),
-         Sm90FwdTile(128, 128, 3, **_2WG), Sm90FwdTile(192, 192, 2, **_3WG)],
-    128: [Sm90FwdTile(128, 128, 2, **_2WG), Sm90FwdTile(128, 176, 2, **_2WG), Sm90FwdTile(128, 128, 3, **_2WG),
-          Sm90FwdTile(128, 128, 2, pingpong=False, **_2WG), Sm90FwdTile(128, 160, 2, **_2WG),
-          Sm90FwdTile(192, 64, 2, **_3WG), Sm90FwdTile(128, 128, 2, skip_unit_rescale=True, **_2WG)],
-    256: [Sm90FwdTile(128, 80, 2, **_2WG), Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 96, 2, **_2WG)],
+    64: [Sm90FwdTile(128, 128, 2, **WG2), Sm90FwdTile(192, 128, 2, **WG3), Sm90FwdTile(128, 192, 2, **WG2),
+         Sm90FwdTile(128, 128, 3, **WG2), Sm90FwdTile(192, 192, 2, **WG3)],
+    128: [Sm90FwdTile(128, 128, 2, **WG2), Sm90FwdTile(128, 176, 2, **WG2), Sm90FwdTile(128, 128, 3, **WG2),
+          Sm90FwdTile(128, 128, 2, pingpong=False, **WG2), Sm90FwdTile(128, 160, 2, **WG2),
+          Sm90FwdTile(192, 64, 2, **WG3), Sm90FwdTile(128, 128, 2, skip_unit_rescale=True, **WG2)],
+    256: [Sm90FwdTile(128, 80, 2, **WG2), Sm90FwdTile(128, 64, 2, **WG2), Sm90FwdTile(128, 96, 2, **WG2)],
 }
 FP8_CANDIDATES = {  # FA3 uses 128x224 at d=128 for FP8 (compiles here with no spill; not yet timed)
-    64: [Sm90FwdTile(128, 128, 2, **_2WG), Sm90FwdTile(128, 192, 2, **_2WG), Sm90FwdTile(192, 128, 2, **_3WG)],
-    128: [Sm90FwdTile(128, 128, 2, **_2WG), Sm90FwdTile(128, 160, 2, **_2WG), Sm90FwdTile(128, 192, 2, **_2WG),
-          Sm90FwdTile(128, 128, 3, **_2WG), Sm90FwdTile(128, 128, 2, pingpong=False, **_2WG),
-          Sm90FwdTile(192, 64, 2, **_3WG), Sm90FwdTile(192, 96, 2, **_3WG),
-          Sm90FwdTile(128, 128, 2, skip_unit_rescale=True, **_2WG),
-          Sm90FwdTile(192, 96, 2, skip_unit_rescale=True, **_3WG), Sm90FwdTile(128, 224, 2, **_2WG),
-          Sm90FwdTile(128, 224, 2, skip_unit_rescale=True, **_2WG)],
-    256: [Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 96, 2, **_2WG), Sm90FwdTile(128, 128, 2, **_2WG)],
+    64: [Sm90FwdTile(128, 128, 2, **WG2), Sm90FwdTile(128, 192, 2, **WG2), Sm90FwdTile(192, 128, 2, **WG3)],
+    128: [Sm90FwdTile(128, 128, 2, **WG2), Sm90FwdTile(128, 160, 2, **WG2), Sm90FwdTile(128, 192, 2, **WG2),
+          Sm90FwdTile(128, 128, 3, **WG2), Sm90FwdTile(128, 128, 2, pingpong=False, **WG2),
+          Sm90FwdTile(192, 64, 2, **WG3), Sm90FwdTile(192, 96, 2, **WG3),
+          Sm90FwdTile(128, 128, 2, skip_unit_rescale=True, **WG2),
+          Sm90FwdTile(192, 96, 2, skip_unit_rescale=True, **WG3), Sm90FwdTile(128, 224, 2, **WG2),
+          Sm90FwdTile(128, 224, 2, skip_unit_rescale=True, **WG2)],
+    256: [Sm90FwdTile(128, 64, 2, **WG2), Sm90FwdTile(128, 96, 2, **WG2), Sm90FwdTile(128, 128, 2, **WG2)],
 }
-
-
-def load(tile, head_dim, folder, kind="16bit"):
-    name = tile.module(head_dim, kind)
-    path = pathlib.Path(folder) / f"{name}.py"
-    path.write_text(render("cute_sm90_fwd.py.jinja", **tile.params(head_dim, kind)))
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -68,16 +56,18 @@ def main() -> None:
     fp8 = args.kind == "fp8"
     dtype = "fp8" if fp8 else "bf16"
     results = []
-    folder = tempfile.mkdtemp(prefix="cute_sm90_sweep_")
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="cute_sm90_sweep_"))
+    causals = {"both": (False, True), "full": (False,), "causal": (True,)}[args.causal]
     for head_dim in map(int, args.head_dim.split(",")):
         for tile in (FP8_CANDIDATES if fp8 else CANDIDATES)[head_dim]:
             if args.match and not any(m in tile.describe() for m in args.match.split(",")):
                 continue
-            if check(tile, head_dim, args.kind):
-                print(f"d={head_dim} {tile.describe()}: invalid: {check(tile, head_dim, args.kind)}")
+            invalid = check(tile, head_dim, args.kind)
+            if invalid:
+                print(f"d={head_dim} {tile.describe()}: invalid: {invalid}")
                 continue
-            mod = load(tile, head_dim, folder, args.kind)
-            causals = {"both": (False, True), "full": (False,), "causal": (True,)}[args.causal]
+            mod = load_rendered("cute_sm90_fwd.py.jinja", folder / f"{tile.module(head_dim, args.kind)}.py",
+                                **tile.params(head_dim, args.kind))
             kernels = {c: cc.compile_module(mod, dtype, c) for c in causals}
             for n in map(int, args.seqlen.split(",")):
                 b, h = max(16384 // n, 1), 2048 // head_dim
@@ -100,7 +90,7 @@ def main() -> None:
                         q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), is_causal=causal)
                     err = (out[:1, :2].float() - ref).abs().max().item()
                     ms = triton.testing.do_bench(run, warmup=25, rep=200)
-                    tflops = 4 * b * h * n * n * head_dim / (2 if causal else 1) / ms / 1e9
+                    tflops = flops(b, h, n, n, head_dim, head_dim, causal, "fwd") / ms / 1e9
                     row = dict(kind=args.kind, head_dim=head_dim, seqlen=n, causal=causal, tile=tile.describe(),
                                module=tile.module(head_dim, args.kind), ms=ms, tflops=tflops, max_err_vs_fp32=err)
                     results.append(row)

@@ -10,7 +10,6 @@ with this run's JSON committed beside them.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import tempfile
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from attnforge.backends.triton_fa2.variants import BwdTile, FwdTile
-from attnforge.codegen.render import render
+from attnforge.codegen.render import load_rendered
 
 FWD_CANDIDATES = [FwdTile(*a) for a in [
     (128, 64, 8, 2, "descriptor"), (128, 64, 8, 3, "descriptor"), (128, 128, 8, 2, "descriptor"),
@@ -32,12 +31,7 @@ BWD_CANDIDATES = [BwdTile(*a) for a in [
 
 
 def load(tile, template, folder):
-    path = pathlib.Path(folder) / f"{tile.module}.py"
-    path.write_text(render(template, **tile.params()))
-    spec = importlib.util.spec_from_file_location(tile.module, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_rendered(template, pathlib.Path(folder) / f"{tile.module}.py", **tile.params())
 
 
 def rel(x, ref):

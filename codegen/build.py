@@ -318,13 +318,14 @@ def fp8_layout_plan(targets, dtypes) -> list[KernelBuild]:
 
 def cute_sm100_plan(targets, dtypes=("fp16", "bf16"), head_dims=None, causal=(False, True)) -> list[tuple[str, str, bool]]:
     """(module, dtype, causal) of every cute_sm100 kernel for these targets (sm100 only)."""
+    from ..backends.cute_sm100 import compile as cc
     from ..backends.cute_sm100 import variants
 
     if "sm100" not in targets:
         return []
     out = []
     for dtype in dtypes:
-        if dtype not in ("fp16", "bf16"):
+        if dtype not in cc.DTYPES:
             continue  # fp8 is not built for sm100 yet
         for head_dim in head_dims or variants.HEAD_DIMS:
             tile, why = variants.pick(head_dim)

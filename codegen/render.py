@@ -24,3 +24,17 @@ def render(template: str, **params) -> str:
     if template == "header.jinja":
         return header
     return header + "\n" + env.get_template(template).render(**params)
+
+
+def load_rendered(template: str, path, **params):
+    """``template`` rendered with ``params`` into the file ``path`` and imported from there: a variant no
+    table picks (tile sweeps, tests), as a module object."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(path)
+    path.write_text(render(template, **params))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

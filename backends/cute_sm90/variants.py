@@ -101,20 +101,20 @@ def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
     return reasons
 
 
-_2WG = dict(consumer_warpgroups=2, producer_registers=24, consumer_registers=240)
-_3WG = dict(consumer_warpgroups=3, producer_registers=32, consumer_registers=160)
+WG2 = dict(consumer_warpgroups=2, producer_registers=24, consumer_registers=240)
+WG3 = dict(consumer_warpgroups=3, producer_registers=32, consumer_registers=160)
 
 # Lists in order of preference; the first tile that passes check() is used.
 FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     "16bit": {
         # H200 sweep (same file): 128x128 s2 at d=128: 638-642 TFLOP/s at N=16k with or without
         # pingpong, 640 with 3 stages; 128x160 610 and FA3's 128x176 486 (causal 445 / 346).
-        128: [Sm90FwdTile(128, 128, 2, **_2WG)],
+        128: [Sm90FwdTile(128, 128, 2, **WG2)],
         # d=64: 128x128 437/411 at N=16k (full/causal) vs 192x128 with 3 warpgroups 381/340, 128x192 419/391.
-        64: [Sm90FwdTile(128, 128, 2, **_2WG)],
+        64: [Sm90FwdTile(128, 128, 2, **WG2)],
         # FA3's 128x80 at d=256 vs 128x64: 638/562 vs 645/578 TFLOP/s at N=16k (full/causal), 608 vs 619
         # at N=4k (H200 sweep, benchmarks/results/2026-11-29-h200-cute_sm90/sweep.json).
-        256: [Sm90FwdTile(128, 64, 2, **_2WG), Sm90FwdTile(128, 80, 2, **_2WG)],
+        256: [Sm90FwdTile(128, 64, 2, **WG2), Sm90FwdTile(128, 80, 2, **WG2)],
     },
     # FP8 (e4m3 in, bf16 out), H200 sweep at N=16k (benchmarks/results/2026-11-29-h200-cute_sm90-fp8/
     # sweep_fp8.json), kernel alone, full/causal TFLOP/s: d=64 192x128 with 3 warpgroups 631/616 (128x128
@@ -124,9 +124,9 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     # warpgroups 819, 192x96 889 vs 878 (one run, a lead: not yet GPU-tested as the pick); O rescaled before
     # P V, exp2 partly on the FMA pipe and split row reductions were all slower.
     "fp8": {
-        64: [Sm90FwdTile(192, 128, 2, **_3WG)],
-        128: [Sm90FwdTile(128, 128, 2, **_2WG)],
-        256: [Sm90FwdTile(128, 128, 2, accepted_spill_bytes=56, **_2WG)],
+        64: [Sm90FwdTile(192, 128, 2, **WG3)],
+        128: [Sm90FwdTile(128, 128, 2, **WG2)],
+        256: [Sm90FwdTile(128, 128, 2, accepted_spill_bytes=56, **WG2)],
     },
 }
 

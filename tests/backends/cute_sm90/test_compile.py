@@ -42,18 +42,14 @@ def test_variant_compiles_for_sm90a_with_wgmma_and_tma(tmp_path, kind, head_dim,
 # Renders and compiles a tile no table entry picks, in a process of its own whose CuTe DSL targets
 # sm_90a (this one's may already target another arch: the DSL fixes it at import).
 _COMPILE_TILE = """
-import importlib.util, pathlib, sys
+import pathlib, sys
 from attnforge.backends.cute_sm90 import compile as cc, variants
-from attnforge.codegen.render import render
+from attnforge.codegen.render import load_rendered
 kind, out = sys.argv[1], pathlib.Path(sys.argv[2])
 tile = variants.Sm90FwdTile(128, 128, skip_unit_rescale=True)
 assert not variants.check(tile, 128, kind)
-path = out / (tile.module(128, kind) + ".py")
-path.write_text(render("cute_sm90_fwd.py.jinja", **tile.params(128, kind)))
-spec = importlib.util.spec_from_file_location(path.stem, path)
-module = importlib.util.module_from_spec(spec)
-cc.target(cc.ARCH)
-spec.loader.exec_module(module)
+cc.target(cc.ARCH)  # before the rendered module imports cutlass
+module = load_rendered("cute_sm90_fwd.py.jinja", out / (tile.module(128, kind) + ".py"), **tile.params(128, kind))
 cc.TARGET.compile_module(module, "fp8" if kind == "fp8" else "bf16", False, dump_dir=str(out / "dump"))
 """
 
