@@ -34,10 +34,6 @@ class Sm90FwdTile:
     producer_registers: int = 24
     consumer_registers: int = 240
     pingpong: bool = True  # named-barrier ordering of the consumer warpgroups' GEMMs
-    # Skip O's rescale in a warp whose rows' maxima did not grow in this block (a vote, then a branch
-    # over head_dim / 2 FMULs per thread). Exact. Compiled and SASS-checked, NOT yet timed on a GPU:
-    # a sweep candidate (benchmarks/sweep_cute_sm90.py), off in every table entry until measured.
-    skip_unit_rescale: bool = False
     cluster: tuple[int, int] = (1, 1)
     # Register spill (stack bytes, ptxas) accepted because the tile measured faster all the same; the
     # compile tests fail on any spill above it.
@@ -45,7 +41,7 @@ class Sm90FwdTile:
 
     def module(self, head_dim: int, kind: str = "16bit") -> str:
         return (f"fwd_{kind}_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.kv_stages}"
-                f"_wg{self.consumer_warpgroups}{'_pp' if self.pingpong else ''}{'_su' if self.skip_unit_rescale else ''}")
+                f"_wg{self.consumer_warpgroups}{'_pp' if self.pingpong else ''}")
 
     def params(self, head_dim: int, kind: str = "16bit") -> dict:
         return {**dataclasses.asdict(self), "head_dim": head_dim, "kind": kind}
@@ -62,7 +58,7 @@ class Sm90FwdTile:
 
     def describe(self, head_dim: int | None = None) -> str:
         return (f"{self.tile_m}x{self.tile_n} s{self.kv_stages} {self.consumer_warpgroups} consumer warpgroups"
-                f"{' pingpong' if self.pingpong else ''}{' skip unit rescale' if self.skip_unit_rescale else ''}")
+                f"{' pingpong' if self.pingpong else ''}")
 
 
 def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
@@ -121,8 +117,12 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     # 513/501, 128x192 556/561); d=128 128x128 877/879 (128x160, 128x192, 3 stages, no pingpong: no
     # better); d=256 128x128 1168/1145 despite a 56-byte spill (128x96 1089/1056, 128x64 1010/987).
     # Session 3 (benchmarks/results/2026-11-29-h200-cute_sm90-session3/, d=128 non-causal): 192x64 with 3
-    # warpgroups 819, 192x96 889 vs 878 (one run, a lead: not yet GPU-tested as the pick); O rescaled before
-    # P V, exp2 partly on the FMA pipe and split row reductions were all slower.
+    # warpgroups 819, 192x96 889 vs 878; O rescaled before P V, exp2 partly on the FMA pipe and split row
+    # reductions were all slower. Session 4 (benchmarks/results/2026-11-29-h200-cute_sm90-session4/, d=128):
+    # 192x96 with 3 warpgroups beats 128x128 non-causal in each of four runs (N=16k 888/872, 877/869,
+    # 882/857; N=4k +1.5%) but loses causal (866/888 at 16k, 714/738 at 4k), where 128x128 beats cuDNN:
+    # 128x128 stays (the table has no causal key). 128x224 882/872 but 800/816 at 4k; skipping O's rescale
+    # by warp vote, a speculative softmax (exp2 against the running max) and S one block ahead: slower.
     "fp8": {
         64: [Sm90FwdTile(192, 128, 2, **WG3)],
         128: [Sm90FwdTile(128, 128, 2, **WG2)],

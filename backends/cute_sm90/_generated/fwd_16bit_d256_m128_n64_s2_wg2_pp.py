@@ -10,7 +10,6 @@
 #   kv_stages = 2
 #   pingpong = True
 #   producer_registers = 24
-#   skip_unit_rescale = False
 #   tile_m = 128
 #   tile_n = 64
 
@@ -39,9 +38,6 @@ CONSUMER_WARPGROUPS = 2
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 PINGPONG = True  # the consumer warpgroups take turns issuing GEMMs (named barriers)
-# Skip O's rescale when no row of the warp saw its max grow (every factor is exactly 1): exact, and it
-# spares HEAD_DIM / 2 FMULs per thread per block once the maxima settle (see variants.py)
-SKIP_UNIT_RESCALE = False
 FP8 = False  # e4m3 Q, K, V with per-(batch, kv head) descales; V arrives transposed (see below)
 # FP8: P is computed as 2^8 * softmax so that small probabilities keep precision in e4m3 (FlashAttention-4
 # pre-scales P by 2^8 for FP8); row sums carry the same factor, so O is unchanged and LSE subtracts 8.
@@ -340,14 +336,7 @@ class Forward:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         self.to_p_operand(acc_S, rP)
-        if const_expr(SKIP_UNIT_RESCALE):
-            grew = row_scale[0] != Float32(1.0)
-            for r in cutlass.range_constexpr(1, cute.size(row_scale)):
-                grew = grew | (row_scale[r] != Float32(1.0))
-            if cute.arch.vote_any_sync(grew):  # warp-uniform branch
-                self.rescale(acc_O, row_scale)
-        else:
-            self.rescale(acc_O, row_scale)
+        self.rescale(acc_O, row_scale)
         return state
 
     @cute.jit

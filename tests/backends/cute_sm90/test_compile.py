@@ -5,7 +5,6 @@ between producer and consumer warpgroups), with no register spills."""
 import collections
 import importlib.util
 import re
-import subprocess
 
 import pytest
 
@@ -35,40 +34,12 @@ def test_variant_compiles_for_sm90a_with_wgmma_and_tma(tmp_path, kind, head_dim,
     element, k = {"fp16": ("", 16), "bf16": (r"\.BF16", 16), "fp8": (r"\.E4M3\.E4M3", 32)}[dtype]
     assert re.search(rf"{mma}\.64x{tile.tile_n}x{k}\.F32{element}\s", sass)  # S = Q K^T, one key block
     assert re.search(rf"{mma}\.64x{head_dim}x{k}\.F32{element}\s", sass)  # O += P V
+    # ptxas serializes WGMMAs it cannot keep in flight (C7512-C7514: registers, accumulators touched
+    # mid-flight): a serialized kernel waits after every WGMMA, as many waits as WGMMAs
+    mmas, waits = len(re.findall(r"\b[HQ]GMMA\.", sass)), len(re.findall(r"WARPGROUP\.DEPBAR", sass))
+    assert waits < mmas / 2, f"WGMMAs serialized: {waits} waits for {mmas} WGMMAs"
     usage = resources(cubin.read_bytes())
     assert usage["stack_bytes"] <= tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage  # no spills beyond those accepted
-
-
-# Renders and compiles a tile no table entry picks, in a process of its own whose CuTe DSL targets
-# sm_90a (this one's may already target another arch: the DSL fixes it at import).
-_COMPILE_TILE = """
-import pathlib, sys
-from attnforge.backends.cute_sm90 import compile as cc, variants
-from attnforge.codegen.render import load_rendered
-kind, out = sys.argv[1], pathlib.Path(sys.argv[2])
-tile = variants.Sm90FwdTile(128, 128, skip_unit_rescale=True)
-assert not variants.check(tile, 128, kind)
-cc.target(cc.ARCH)  # before the rendered module imports cutlass
-module = load_rendered("cute_sm90_fwd.py.jinja", out / (tile.module(128, kind) + ".py"), **tile.params(128, kind))
-cc.TARGET.compile_module(module, "fp8" if kind == "fp8" else "bf16", False, dump_dir=str(out / "dump"))
-"""
-
-
-@pytest.mark.parametrize("kind", ("16bit", "fp8"))
-def test_skip_unit_rescale_compiles_to_a_vote_and_a_branch(tmp_path, kind):
-    """The sweep candidate no table entry picks yet: its rescale sits behind a warp vote, and no WGMMA is
-    serialized for it (a serialized kernel waits after every WGMMA: as many waits as WGMMAs)."""
-    import os
-    import sys
-
-    run = subprocess.run([sys.executable, "-c", _COMPILE_TILE, kind, str(tmp_path)], capture_output=True, text=True,
-                         env=dict(os.environ, CUTE_DSL_ARCH=cc.ARCH))
-    assert run.returncode == 0, run.stderr[-3000:]
-    (cubin,) = (tmp_path / "dump").glob("*.sm_90a.cubin")
-    sass = cuobjdump("-sass", str(cubin))
-    assert re.search(r"\bVOTE\.ANY\b", sass), "no warp vote before O's rescale"
-    mma, waits = len(re.findall(r"\b[HQ]GMMA\.", sass)), len(re.findall(r"WARPGROUP\.DEPBAR", sass))
-    assert waits < mma / 2, (waits, mma)
 
 
 def test_disk_cache_builds_once_and_keys_on_the_variant(tmp_path):
