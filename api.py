@@ -56,7 +56,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     dtype and layout, and with ``return_lse`` also the natural-log LSE (batch, heads_q, seqlen_q)
     in fp32 (-inf for rows that see no key). ``backend`` forces one backend (see use_backend).
     FP8 (float8_e4m3fn q, k, v): the output is bf16, and ``q_descale``/``k_descale``/``v_descale``
-    (fp32, (batch, heads_kv), default 1) dequantise: the result is attention of descale * x.
+    (fp32, (batch, heads_kv), positive, default 1) dequantise: the result is attention of descale * x.
     """
     if q_descale is not None or k_descale is not None or v_descale is not None or q.dtype == torch.float8_e4m3fn:
         descales = (q_descale, k_descale, v_descale)

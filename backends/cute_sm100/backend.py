@@ -15,7 +15,7 @@ import torch
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend
 from ...dispatch.support import Support
-from ..cute_sm90.backend import _DTYPE_NAME, LOG2_E, _lse_prototype, _tma_ready, cute_stack_missing
+from ..cute_sm90.backend import _DTYPE_NAME, LOG2_E, _lse_prototype, _tma_ready, cute_stack_missing, nonnegative_scale
 from . import compile as cc
 from . import variants
 
@@ -57,6 +57,7 @@ class CuteSm100Backend(Backend):
         return tile.module(head_dim)
 
     def forward(self, q, k, v, *, causal, scale, dropout_p, **mask):
+        q, scale = nonnegative_scale(q, scale)
         q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
         kernel = cc.compiled(self.module(q.shape[-1]), _DTYPE_NAME[q.dtype], causal)
         out = torch.empty_like(q)

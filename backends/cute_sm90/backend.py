@@ -25,6 +25,18 @@ _DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3f
 LOG2_E = 1.4426950408889634  # the kernels work in exp2: they take scale * log2(e)
 
 
+def nonnegative_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """(q, scale) with scale >= 0. The CuTe kernels take each row's max over unscaled scores, which
+    bounds the exponentials only for a scale that is not negative; softmax(q k^T s) = softmax((-q) k^T (-s)),
+    so a negative scale negates q instead (a copy, exact in every dtype: e4m3 by its sign bit). FP8's
+    descales are taken to be positive (they are quantisation scales)."""
+    if scale >= 0:
+        return q, scale
+    if q.dtype == torch.float8_e4m3fn:
+        return torch.bitwise_xor(q.view(torch.uint8), 0x80).view(q.dtype), -scale
+    return torch.neg(q), -scale
+
+
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """TMA needs unit stride on head_dim, 16-byte aligned other strides and a 16-byte aligned start.
     (Every head_dim served is a multiple of 16 bytes, so a fresh contiguous copy qualifies.)"""
@@ -107,6 +119,7 @@ class CuteSm90Backend(Backend):
         return tile.module(head_dim, kind)
 
     def forward(self, q, k, v, *, causal, scale, dropout_p, descale=None, **mask):
+        q, scale = nonnegative_scale(q, scale)
         q, k = _tma_ready(q), _tma_ready(k)
         dtype = _DTYPE_NAME[q.dtype]
         kernel = cc.compiled(self.module(q.dtype, q.shape[-1]), dtype, causal)

@@ -83,6 +83,30 @@ def test_fp8_with_descales_matches_fp64_on_the_dequantised_inputs(shape, causal,
         assert (out[:, :, :nq - nk] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", ("bf16", "fp8"))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_negative_scale_matches_fp64(dtype, causal, gen):
+    """A negative scale (the kernels bound their exponentials by the max of the unscaled scores, so the
+    backend hands them -q and -scale) gives softmax(q k^T * scale) v, as for a positive one. Scores of
+    std |scale| * sqrt(d) ~ 8: without the negation P overflows e4m3 at once, bf16 soon after."""
+    import attnforge
+    from attnforge.testing import fp8_peer, rel_error
+
+    b, hq, hkv, nq, nk, d, scale = 1, 4, 2, 113, 1023, 128, -0.7
+    torch_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[dtype]
+    q, k, v = (torch.randn(b, h, n, d, generator=gen).to("cuda").to(torch_dtype)
+               for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    out, lse = attnforge.attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend="cute_sm90")
+    ref, ref_lse, _ = oracle(q.float(), k.float(), v.float(), causal=causal, scale=scale)
+    if dtype == "fp8":
+        inherent = rel_error(fp8_peer(q.float(), k.float(), v.float(), causal=causal, scale=scale), ref)
+        assert not out.isnan().any() and rel_error(out, ref) <= 1.2 * inherent + 2 ** -8, (rel_error(out, ref), inherent)
+    else:
+        peer, _ = peer_error(q, k, v, causal=causal, scale=scale)
+        assert_close("out", out, ref, peer, ulps=4 * math.sqrt(nk))
+        assert_close("lse", lse, ref_lse, ref_lse.float(), ulps=4 * math.sqrt(nk))
+
+
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_fp8_kernel_writes_every_element(causal, gen):
     """The FP8 kernel called directly with NaN-poisoned outputs: odd lengths, GQA."""
