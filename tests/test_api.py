@@ -51,7 +51,8 @@ def refusal(backend, q, k, v, **kw):
     return registered()[backend].supports(explain(q, k, v, **kw).problem)
 
 
-def run_case(backend, shape, dtype, causal, gen, layout="bhsd", magnitude=1.0, return_lse=None, device="cpu"):
+def run_case(backend, shape, dtype, causal, gen, layout="bhsd", magnitude=1.0, return_lse=None, device="cpu",
+             scale=None):
     """Forward (and LSE) against the fp64 oracle element by element; gradients too, except at large
     magnitude (see below)."""
     q, k, v = make(shape, DTYPES[dtype], gen, layout, magnitude, device)
@@ -61,16 +62,16 @@ def run_case(backend, shape, dtype, causal, gen, layout="bhsd", magnitude=1.0, r
     args = [as_layout(t, layout) for t in (q, k, v)]
     if reasons:
         with pytest.raises(BackendUnavailableError, match=reasons[0].split("(")[0]):
-            attention(*args, causal=causal, layout=layout, backend=backend, return_lse=bool(return_lse))
+            attention(*args, causal=causal, layout=layout, backend=backend, return_lse=bool(return_lse), scale=scale)
         return
-    res = attention(*args, causal=causal, layout=layout, backend=backend, return_lse=bool(return_lse))
+    res = attention(*args, causal=causal, layout=layout, backend=backend, return_lse=bool(return_lse), scale=scale)
     out, lse = res if return_lse else (res, None)
     out = as_layout(out, layout)
     assert out.dtype == q.dtype and out.shape == (*q.shape[:3], v.shape[3])
     dout = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref, ref_lse, ref_grads = oracle(q, k, v, causal=causal, dout=dout)
-    peer, peer_grads = peer_error(q, k, v, causal=causal, dout=dout)
+    ref, ref_lse, ref_grads = oracle(q, k, v, causal=causal, dout=dout, scale=scale)
+    peer, peer_grads = peer_error(q, k, v, causal=causal, dout=dout, scale=scale)
     # Rounding accumulates over a reduction like a random walk: sqrt(length) units, on top of 2x
     # PyTorch's own error (which is tiny in fp32, where summation order alone differs by more).
     # The reductions run over the sequence (P V, dS K, ...) and over the head dim (Q K^T, dO V^T).
@@ -106,6 +107,16 @@ def run_case(backend, shape, dtype, causal, gen, layout="bhsd", magnitude=1.0, r
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_fp64(backend, shape, dtype, causal, device, gen):
     run_case(backend, shape, dtype, causal, gen, device=device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("device", DEVICES)
+def test_negative_scale_matches_fp64(backend, dtype, causal, device, gen):
+    """SDPA takes any finite scale; so does attention(). A kernel that bounds exp2 by the row max of
+    unscaled scores is wrong for a negative one (cute_sm90 gave NaN before it negated q instead)."""
+    run_case(backend, (2, 4, 2, 113, 97, 64, 64), dtype, causal, gen, device=device, scale=-0.4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -15,7 +15,8 @@ import torch
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend
 from ...dispatch.support import Support
-from ..cute_sm90.backend import _DTYPE_NAME, LOG2_E, _lse_prototype, _tma_ready, cute_stack_missing, nonnegative_scale
+from ..cute_sm90.backend import _DTYPE_NAME, LOG2_E, _lse_prototype, _tma_ready, cute_stack_missing
+from ..inputs import nonnegative_scale
 from . import compile as cc
 from . import variants
 

@@ -16,6 +16,7 @@ import torch
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend
 from ...dispatch.support import Support
+from ..inputs import nonnegative_scale
 from . import compile as cc
 from . import variants
 from .v_layout import prepare_v_fp8
@@ -24,17 +25,6 @@ from .v_layout import prepare_v_fp8
 _DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
 LOG2_E = 1.4426950408889634  # the kernels work in exp2: they take scale * log2(e)
 
-
-def nonnegative_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
-    """(q, scale) with scale >= 0. The CuTe kernels take each row's max over unscaled scores, which
-    bounds the exponentials only for a scale that is not negative; softmax(q k^T s) = softmax((-q) k^T (-s)),
-    so a negative scale negates q instead (a copy, exact in every dtype: e4m3 by its sign bit). FP8's
-    descales are taken to be positive (they are quantisation scales)."""
-    if scale >= 0:
-        return q, scale
-    if q.dtype == torch.float8_e4m3fn:
-        return torch.bitwise_xor(q.view(torch.uint8), 0x80).view(q.dtype), -scale
-    return torch.neg(q), -scale
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ...dispatch.problem import DTYPES, Problem
 from ...dispatch.registry import Backend
 from ...dispatch.support import Support
+from ..inputs import nonnegative_scale
 
 
 class SdpaBackend(Backend):
@@ -57,6 +58,7 @@ class SdpaBackend(Backend):
             return f"kernel chosen by torch at run time ({type(exc).__name__} asking torch)"
 
     def forward(self, q, k, v, *, causal, scale, dropout_p, attn_mask=None, top_left=False):
+        q, scale = nonnegative_scale(q, scale)
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]
         kwargs = dict(dropout_p=dropout_p, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         if attn_mask is not None or top_left:  # SDPA's own semantics, as attnforge.sdpa() promises
