@@ -76,6 +76,14 @@ def fp8_peer(q, k, v, *, causal: bool, scale: float | None = None, p_scale: floa
     return p @ v64.repeat_interleave(q64.shape[1] // k64.shape[1], 1)
 
 
+def needs_gpu(capability: tuple[int, int], name: str):
+    """A pytest skipif mark for tests that need a GPU of this compute capability; the reason says so."""
+    import pytest
+
+    have = torch.cuda.is_available() and torch.cuda.get_device_capability() == capability
+    return pytest.mark.skipif(not have, reason=f"needs an {name} GPU")
+
+
 def run_interpreter_tests(folder) -> None:
     """Run the pytest files in ``folder`` in a process of their own with TRITON_INTERPRET=1 (Triton reads
     the variable when kernels are decorated, so it cannot be switched on inside a running process);

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from attnforge.testing import needs_gpu
+
 # find_spec, not importorskip: importing cutlass here would fix its target arch for the whole session
 needs_cute = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
@@ -76,8 +78,7 @@ print("error", rel_error(out, oracle(q, k, v, causal=True)[0]))
 
 @needs_cute
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.get_device_capability() != (9, 0),
-                    reason="needs an sm90 GPU")
+@needs_gpu((9, 0), "sm90")
 def test_prebuilt_kernel_runs_on_the_gpu(tmp_path):
     env = dict(os.environ, ATTNFORGE_CACHE_DIR=str(tmp_path))
     built = subprocess.run([sys.executable, "-m", "attnforge", "build", "--target", "sm90", "--backend", "cute_sm90",

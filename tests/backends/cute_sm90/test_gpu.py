@@ -8,10 +8,9 @@ import math
 import pytest
 import torch
 
-from attnforge.testing import assert_close, oracle, peer_error
+from attnforge.testing import assert_close, needs_gpu, oracle, peer_error
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm90 GPU")]
+pytestmark = [pytest.mark.gpu, needs_gpu((9, 0), "sm90")]
 
 # (batch, heads_q, heads_kv, seqlen_q, seqlen_k)
 SHAPES = [(1, 2, 2, 1, 1), (2, 3, 3, 17, 17), (1, 4, 2, 113, 1023), (1, 4, 1, 1023, 113), (2, 2, 2, 300, 700),

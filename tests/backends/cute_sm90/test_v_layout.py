@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from attnforge.testing import run_interpreter_tests
+from attnforge.testing import needs_gpu, run_interpreter_tests
 
 
 def test_v_layout_kernel_in_the_interpreter():
@@ -54,8 +53,7 @@ print("prebuilt ok")
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="needs an sm90 GPU")
+@needs_gpu((9, 0), "sm90")
 def test_prebuilt_v_layout_kernel_runs_on_the_gpu(tmp_path):
     """Built ahead of time into a fresh cache, the V^T kernel is launched from it (the JIT refused) and
     writes every byte the torch version does."""
