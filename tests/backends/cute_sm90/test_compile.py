@@ -38,6 +38,13 @@ def test_variant_compiles_for_sm90a_with_wgmma_and_tma(tmp_path, kind, head_dim,
     # mid-flight): a serialized kernel waits after every WGMMA, as many waits as WGMMAs
     mmas, waits = len(re.findall(r"\b[HQ]GMMA\.", sass)), len(re.findall(r"WARPGROUP\.DEPBAR", sass))
     assert waits < mmas / 2, f"WGMMAs serialized: {waits} waits for {mmas} WGMMAs"
+    # One exp2 per score: a thread holds tile_n / 2 scores of a block, and the softmax is compiled once
+    # for the first block and once per key-block loop (non-causal one, causal two), plus one rescale
+    # exp2 per row (two rows). More means the exponentials are computed twice (the DSL's conversion of
+    # a 16-bit P once caused that: 130 MUFU.EX2 per block for 64 scores).
+    copies = 3 if causal else 2
+    ex2 = len(re.findall(r"MUFU\.EX2", sass))
+    assert ex2 <= copies * (tile.tile_n // 2 + 2), f"{ex2} MUFU.EX2 for {copies} softmax copies of {tile.tile_n // 2} scores"
     usage = resources(cubin.read_bytes())
     assert usage["stack_bytes"] <= tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage  # no spills beyond those accepted
 
