@@ -107,7 +107,7 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
         # pingpong, 640 with 3 stages; 128x160 610 and FA3's 128x176 486 (causal 445 / 346).
         128: [Sm90FwdTile(128, 128, 2, **WG2)],
         # d=64: 128x128 437/411 at N=16k (full/causal) vs 192x128 with 3 warpgroups 381/340, 128x192 419/391.
-        # Session 4, with P converted by inline PTX (the DSL's conversion had ptxas compute every exp2
+        # Session 4, with P converted by inline PTX (with the DSL's conversion the PTX computed every exp2
         # twice in the 3-warpgroup kernel): 128x128 464/461, 192x128 3 warpgroups 535/497 (FA4's tile,
         # FA4 540 in session 2). 192x128 is not picked until its GPU tests have run (none left this session).
         64: [Sm90FwdTile(128, 128, 2, **WG2)],

@@ -83,9 +83,10 @@ def fp8_p_operand(acc_S, rP):
 @dsl_user_op
 def cvt_pair(a, b, dtype, *, loc=None, ip=None):
     """Two fp32 values as one packed bf16x2/f16x2 register (a in the low half), by inline PTX. With the
-    DSL's own conversion (TensorSSA .to) ptxas computed every exp2 of the softmax twice in the 3-warpgroup
-    16-bit kernel and at d=256 (130 MUFU.EX2 per key block for 64 exponentials; benchmarks/results/
-    2026-11-29-h200-cute_sm90-session4/NOTES.md); FlashAttention-4 converts P by inline PTX too."""
+    DSL's own conversion (TensorSSA .to) the generated code (already its PTX) computed every exp2 of the
+    softmax twice in the 3-warpgroup 16-bit kernel and at d=256 (130 MUFU.EX2 per key block for 64
+    exponentials; benchmarks/results/2026-11-29-h200-cute_sm90-session4/NOTES.md); FlashAttention-4
+    converts P by inline PTX too."""
     return cutlass.Int32(llvm.inline_asm(
         T.i32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
         f"cvt.rn.{'bf16x2' if dtype is cutlass.BFloat16 else 'f16x2'}.f32 $0, $2, $1;", "=r,f,f",
