@@ -23,7 +23,6 @@ The producer's thread records when each K and V slot came free and when its load
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import pathlib
@@ -35,11 +34,21 @@ import torch
 from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.backends.cute_sm90.variants import WG2, WG3, Sm90FwdTile, check
-from attnforge.codegen.render import render
+from attnforge.codegen.render import import_path, render
 
 EVENTS = 16  # trace slots per block (9 used by a consumer, 4 by the producer)
+SLOTS = 4096  # trace slots per consumer warpgroup (>= EVENTS x blocks at N=16k); the producer's follow the third
+PRODUCER_BASE = 3 * SLOTS
 PHASES = ["wait K+turn", "issue QK", "wait V", "issue PV", "wait S", "softmax", "wait PV", "P, rescale"]
 PRODUCER = ["K slot free", "K issued", "V slot free", "V issued"]
+
+
+def _trace_start(trace_m: int, trace_h: int, condition: str, base: str) -> str:
+    """Source lines that read the start clock and set trace_base (-1: this thread does not trace)."""
+    return ("        t0 = cute.arch.clock()\n"
+            "        trace_base = cutlass.Int32(-1)\n"
+            f"        if m_block == {trace_m} and head == {trace_h} and batch == 0 and {condition}:\n"
+            f"            trace_base = {base}\n")
 
 
 def patch(source: str, trace_m: int, trace_h: int) -> str:
@@ -51,28 +60,22 @@ def patch(source: str, trace_m: int, trace_h: int) -> str:
 
     sub("        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)\n",
         "        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)\n"
-        "        t0 = cute.arch.clock()\n"
-        "        trace_base = cutlass.Int32(-1)\n"
-        f"        if m_block == {trace_m}:\n"
-        f"            if head == {trace_h}:\n"
-        "                if batch == 0:\n"
-        "                    if tidx % THREADS_PER_WG == 0:\n"
-        "                        trace_base = wg * 4096\n")
+        + _trace_start(trace_m, trace_h, "tidx % THREADS_PER_WG == 0", f"wg * {SLOTS}"))
     for flag in ("True", "False"):
         sub(f"scale_log2, wg, {flag})\n", f"scale_log2, wg, {flag}, mLSE, trace_base, t0)\n")
     sub("masked: cutlass.Constexpr):\n", "masked: cutlass.Constexpr, mLSE, trace_base, t0):\n")
-    marks = [("        pipe_k.consumer_wait(state)\n        if const_expr(PINGPONG):", 0, True),
-             ("        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32)\n", 1, True),
-             ("        pipe_v.consumer_wait(v_state)\n", 2, True),
-             ("        gemm(tiled_mma_pv, acc_O, rP, tOrV[None, None, None, v_state.index], zero_init=False)\n", 3, True),
-             ("        warpgroup.wait_group(1)\n", 4, True),
-             ("        pipe_k.consumer_release(state)\n        if const_expr(masked):", 5, True),
-             ("        warpgroup.wait_group(0)\n        pipe_v.consumer_release(v_state)\n", 6, True),
-             ("        pipe_v.consumer_release(v_state)\n        self.to_p_operand", 7, True),
-             ("        return state\n", 8, True)]
-    for text, event, before in marks:
-        call = f"        self.trace(mLSE, trace_base, n_block, {event}, t0)\n"
-        sub(text, call + text)
+    # the consumer's nine points, each read just before the line named (event = position in this list)
+    marks = ["        pipe_k.consumer_wait(state)\n        if const_expr(PINGPONG):",
+             "        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32)\n",
+             "        pipe_v.consumer_wait(v_state)\n",
+             "        gemm(tiled_mma_pv, acc_O, rP, tOrV[None, None, None, v_state.index], zero_init=False)\n",
+             "        warpgroup.wait_group(1)\n",
+             "        pipe_k.consumer_release(state)\n        if const_expr(masked):",
+             "        warpgroup.wait_group(0)\n        pipe_v.consumer_release(v_state)\n",
+             "        pipe_v.consumer_release(v_state)\n        self.to_p_operand",
+             "        return state\n"]
+    for event, text in enumerate(marks):
+        sub(text, f"        self.trace(mLSE, trace_base, n_block, {event}, t0)\n" + text)
     sub("    @cute.jit\n    def to_p_operand(",
         "    @cute.jit\n    def trace(self, mLSE, trace_base, n_block, event: cutlass.Constexpr, t0):\n"
         "        if trace_base >= 0:\n"
@@ -83,12 +86,7 @@ def patch(source: str, trace_m: int, trace_h: int) -> str:
     sub("             m_block, head, head_kv, batch, n_block_max):\n", "             m_block, head, head_kv, batch, n_block_max, mLSE):\n")
     sub("        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)\n",
         "        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)\n"
-        "        t0 = cute.arch.clock()\n"
-        "        trace_base = cutlass.Int32(-1)\n"
-        f"        if m_block == {trace_m}:\n"
-        f"            if head == {trace_h}:\n"
-        "                if batch == 0:\n"
-        "                    trace_base = 3 * 4096\n")
+        + _trace_start(trace_m, trace_h, "True", str(PRODUCER_BASE)))
     for text, event in (("            pipe_k.producer_acquire(kv_state)\n", 0), ("            pipe_v.producer_acquire(kv_state)\n", 2)):
         sub(text, text + f"            self.trace(mLSE, trace_base, n_block, {event}, t0)\n")
     for text, event in (("tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))\n", 1),
@@ -117,9 +115,7 @@ def main() -> None:
     path = folder / f"{tile.module(args.head_dim, args.kind)}_trace.py"
     path.write_text(patch(render("cute_sm90_fwd.py.jinja", **tile.params(args.head_dim, args.kind)),
                           args.trace_m, args.trace_head))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = import_path(path)
     fp8 = args.kind == "fp8"
     kernel = cc.compile_module(mod, "fp8" if fp8 else "bf16", False)
 
@@ -142,7 +138,7 @@ def main() -> None:
     blocks = n // tile_n - 1  # steps: n_block = blocks-1 ... 0 (the first block has no step)
     report = {"tile": tile.describe(), "kind": args.kind, "head_dim": d, "seqlen": n, "warpgroups": {}}
     for wg in range(tile.consumer_warpgroups):
-        ev = trace[wg * 4096: wg * 4096 + blocks * EVENTS].view(blocks, EVENTS)[:, :len(PHASES) + 1]
+        ev = trace[wg * SLOTS: wg * SLOTS + blocks * EVENTS].view(blocks, EVENTS)[:, :len(PHASES) + 1]
         ev = ev.flip(0)  # in execution order
         middle = ev[blocks // 8: blocks - blocks // 8]
         phases = {name: statistics.median((middle[:, i + 1] - middle[:, i]).tolist()) for i, name in enumerate(PHASES)}
@@ -156,13 +152,13 @@ def main() -> None:
         lag = (e1[1] - e1[0])[blocks // 8: blocks - blocks // 8]
         print(f"warpgroup 1 issues {lag.median().item():.0f} cycles after warpgroup 0 (median)")
     # the producer, per block in load order (its first block has no step), beside the consumers' events
-    prod = trace[3 * 4096: 3 * 4096 + (blocks + 1) * EVENTS].view(blocks + 1, EVENTS)[:, :len(PRODUCER)].flip(0)
+    prod = trace[PRODUCER_BASE: PRODUCER_BASE + (blocks + 1) * EVENTS].view(blocks + 1, EVENTS)[:, :len(PRODUCER)].flip(0)
     report["producer"] = prod.tolist()
     print("absolute cycles, four middle blocks (producer: block j's K and V loads; consumers: step j, whose S uses block j+1's K and P V block j's V)")
     for j in range(blocks // 2, blocks // 2 + 4):
         print(f"  block {j}: producer " + " ".join(f"{name} {prod[j, i]:.0f}" for i, name in enumerate(PRODUCER)))
         for wg in range(tile.consumer_warpgroups):
-            ev = trace[wg * 4096: wg * 4096 + blocks * EVENTS].view(blocks, EVENTS).flip(0)
+            ev = trace[wg * SLOTS: wg * SLOTS + blocks * EVENTS].view(blocks, EVENTS).flip(0)
             print(f"    warpgroup {wg}: " + " ".join(f"{v:.0f}" for v in ev[j, :len(PHASES) + 1].tolist()))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=1))

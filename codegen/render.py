@@ -29,11 +29,17 @@ def render(template: str, **params) -> str:
 def load_rendered(template: str, path, **params):
     """``template`` rendered with ``params`` into the file ``path`` and imported from there: a variant no
     table picks (tile sweeps, tests), as a module object."""
-    import importlib.util
     import pathlib
 
     path = pathlib.Path(path)
     path.write_text(render(template, **params))
+    return import_path(path)
+
+
+def import_path(path):
+    """The Python file ``path`` imported as a module object of its own (not added to sys.modules)."""
+    import importlib.util
+
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -26,7 +26,6 @@ _DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3f
 LOG2_E = 1.4426950408889634  # the kernels work in exp2: they take scale * log2(e)
 
 
-
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """TMA needs unit stride on head_dim, 16-byte aligned other strides and a 16-byte aligned start.
     (Every head_dim served is a multiple of 16 bytes, so a fresh contiguous copy qualifies.)"""
