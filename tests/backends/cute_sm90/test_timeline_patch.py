@@ -1,13 +1,12 @@
 """benchmarks/timeline_cute_sm90.py instruments a rendered variant by text patches that must each apply
 exactly once: kept in step with the template here, on CPU (no compile)."""
 
-import importlib.util
 import pathlib
 
 import pytest
 
 from attnforge.backends.cute_sm90.variants import WG2, WG3, Sm90FwdTile
-from attnforge.codegen.render import render
+from attnforge.codegen.render import import_path, render
 
 SCRIPT = pathlib.Path(__file__).parents[3] / "benchmarks" / "timeline_cute_sm90.py"
 
@@ -16,9 +15,7 @@ SCRIPT = pathlib.Path(__file__).parents[3] / "benchmarks" / "timeline_cute_sm90.
 @pytest.mark.parametrize(("tile", "kind"), [(Sm90FwdTile(128, 128, 2, **WG2), "fp8"), (Sm90FwdTile(128, 128, 2, **WG2), "16bit"),
                                             (Sm90FwdTile(192, 96, 2, **WG3), "fp8")])
 def test_timeline_patches_apply_to_the_template(tile, kind):
-    spec = importlib.util.spec_from_file_location("timeline_cute_sm90", SCRIPT)
-    timeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timeline)
+    timeline = import_path(SCRIPT)
     source = timeline.patch(render("cute_sm90_fwd.py.jinja", **tile.params(128, kind)), trace_m=3, trace_h=1)
     compile(source, "patched", "exec")  # still Python
     assert source.count("self.trace(mLSE, trace_base, n_block,") == 9 + 4  # nine consumer points, four producer ones
