@@ -37,7 +37,10 @@ FP8_CANDIDATES = {  # FA3 uses 128x224 at d=128 for FP8
     128: [Sm90FwdTile(192, 96, 2, **WG3), Sm90FwdTile(128, 128, 2, **WG2), Sm90FwdTile(128, 160, 2, **WG2),
           Sm90FwdTile(128, 192, 2, **WG2), Sm90FwdTile(128, 128, 3, **WG2),
           Sm90FwdTile(128, 128, 2, pingpong=False, **WG2), Sm90FwdTile(192, 64, 2, **WG3),
-          Sm90FwdTile(128, 224, 2, **WG2), Sm90FwdTile(128, 96, 2, **WG2)],
+          Sm90FwdTile(128, 224, 2, **WG2), Sm90FwdTile(128, 96, 2, **WG2)]
+    # session 5: without pingpong, as FlashAttention-3 runs FP8
+    + [Sm90FwdTile(128, n, 2, pingpong=False, **WG2) for n in (224, 192)]
+    + [Sm90FwdTile(192, 96, s, pingpong=p, **WG3) for s, p in ((2, False), (3, True))],
     256: [Sm90FwdTile(128, 64, 2, **WG2), Sm90FwdTile(128, 96, 2, **WG2), Sm90FwdTile(128, 128, 2, **WG2)],
 }
 

@@ -82,7 +82,7 @@ class CuteSm90Backend(Backend):
         return reasons
 
     def passed_over(self, problem: Problem) -> list[str]:
-        lo, hi = variants.TRITON_FASTER.get((self._kind(problem), problem.head_dim), (0, 0))
+        lo, hi, measured = variants.TRITON_FASTER.get((self._kind(problem), problem.head_dim), (0, 0, ""))
         if not lo <= problem.seqlen_k < hi:
             return []
         from ...dispatch.registry import registered
@@ -91,7 +91,7 @@ class CuteSm90Backend(Backend):
         if triton is None or triton.available() or triton.supports(problem):
             return []  # nothing faster can take it: keep it
         return [f"triton_fa2 measured faster at head_dim {problem.head_dim} with {lo} <= seqlen_k < {hi} "
-                f"(H200: 332 vs 289 TFLOP/s at 1024; see backends/cute_sm90/variants.py)"]
+                f"({measured}; see backends/cute_sm90/variants.py)"]
 
     def variant(self, problem: Problem) -> str:
         tile, _ = variants.pick(self._kind(problem), problem.head_dim)

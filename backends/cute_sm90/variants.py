@@ -109,8 +109,10 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
         # d=64: 128x128 437/411 at N=16k (full/causal) vs 192x128 with 3 warpgroups 381/340, 128x192 419/391.
         # Session 4, with P converted by inline PTX (with the DSL's conversion the PTX computed every exp2
         # twice in the 3-warpgroup kernel): 128x128 464/461, 192x128 3 warpgroups 535/497 (FA4's tile,
-        # FA4 540 in session 2). 192x128 is not picked until its GPU tests have run (none left this session).
-        64: [Sm90FwdTile(128, 128, 2, **WG2)],
+        # FA4 540 in session 2). Session 5: its GPU tests passed; side by side (benchmarks/results/
+        # 2026-11-29-h200-cute_sm90-session5/bench.json, N=16k full/causal) 525/485 vs FA4 546/513, cuDNN 459/449.
+        # Its fp16 causal kernel keeps 16 bytes on the stack (ptxas; bf16 does not).
+        64: [Sm90FwdTile(192, 128, 2, accepted_spill_bytes=16, **WG3)],
         # FA3's 128x80 at d=256 vs 128x64: 638/562 vs 645/578 TFLOP/s at N=16k (full/causal), 608 vs 619
         # at N=4k (H200 sweep, benchmarks/results/2026-11-29-h200-cute_sm90/sweep.json). Session 4, P by
         # inline PTX (exp2 no longer computed twice): 128x64 698/669.
@@ -135,11 +137,14 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
 }
 
 
-# Where triton_fa2 measured faster on the H200 (benchmarks/results/2026-11-29-h200-cute_sm90/bench.json,
-# forward bf16, 16k tokens): at d=64, N=1024: 332 vs 289 TFLOP/s (causal 222 vs 202); at N=4096 they
-# tie (402 vs 398). Shorter sequences were not timed that way: there the launch path dominates, and
-# cute_sm90's is the cheaper one (benchmarks/launch_cost.py). (kind, head_dim) -> [from, below) seqlen_k.
-TRITON_FASTER = {("16bit", 64): (1024, 4096)}
+# Where triton_fa2 measured faster on the H200: (kind, head_dim) -> ([from, below) seqlen_k, the measurement
+# the Decision quotes). Empty since
+# session 5: d=64 had (1024, 4096) from benchmarks/results/2026-11-29-h200-cute_sm90/bench.json (N=1024:
+# triton_fa2 332 vs 289 TFLOP/s with the 128x128 kernel), but the 192x128 3-warpgroup kernel now leads at
+# every length timed (session5/bench.json, bf16, 16k tokens, full/causal: N=1024 365/233 vs triton_fa2
+# 333/225; N=4096 480/399 vs 411/352). Shorter sequences: the launch path dominates, and cute_sm90's is
+# the cheaper one (benchmarks/launch_cost.py).
+TRITON_FASTER: dict[tuple[str, int], tuple[int, int, str]] = {}
 
 
 def pick(kind: str, head_dim: int) -> tuple[Sm90FwdTile | None, list[str]]:

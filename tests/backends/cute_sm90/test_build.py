@@ -8,7 +8,10 @@ import sys
 
 import pytest
 
+from attnforge.backends.cute_sm90 import variants
 from attnforge.testing import needs_gpu
+
+D64_BF16 = variants.pick("16bit", 64)[0].module(64, "16bit")  # the table's pick, as the build names it
 
 # find_spec, not importorskip: importing cutlass here would fix its target arch for the whole session
 needs_cute = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
@@ -19,9 +22,9 @@ from attnforge.backends.cute_sm90 import compile as cc
 def refuse(*a, **k):
     raise AssertionError("compiled although the kernel was built ahead of time")
 cc.TARGET.compile_module = refuse
-fn = cc.compiled("fwd_16bit_d64_m128_n128_s2_wg2_pp", "bf16", True)
+fn = cc.compiled(%r, "bf16", True)
 print("loaded", type(fn).__name__)
-"""
+""" % D64_BF16
 
 
 def test_build_lists_both_sm90_backends(capsys):
@@ -29,7 +32,7 @@ def test_build_lists_both_sm90_backends(capsys):
 
     assert main(["build", "--target", "sm90", "--dtype", "bf16,fp8", "--head-dim", "64", "--list"]) == 0
     out = capsys.readouterr().out
-    assert "cute_sm90 fwd_16bit_d64_m128_n128_s2_wg2_pp.bf16.causal" in out
+    assert f"cute_sm90 {D64_BF16}.bf16.causal" in out
     assert "cute_sm90 fwd_fp8_d64_m192_n128_s2_wg3_pp.fp8.full" in out
     assert "dkdv_kernel.sm90.bf16.d64.causal" in out  # triton_fa2's backward, which cute_sm90 relies on
     assert main(["build", "--target", "sm89", "--backend", "cute_sm90", "--list"]) == 0
