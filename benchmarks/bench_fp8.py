@@ -21,6 +21,7 @@ import triton.testing
 
 import attnforge
 from attnforge.backends.cute_sm90 import compile as cc
+from attnforge.backends.cute_sm90.backend import max_ctas
 from attnforge.backends.cute_sm90 import v_layout
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.bench.measure import flops
@@ -92,7 +93,8 @@ def main() -> None:
                 lse = torch.empty(q8.shape[:3], device="cuda")
                 descale = torch.ones(3, b, h, device="cuda")
                 impls["cute_sm90 fp8 kernel only"] = lambda: kernel(q8, k8, v_t, out, lse, descale,
-                                                                    head_dim ** -0.5 * math.log2(math.e)) or out
+                                                                    head_dim ** -0.5 * math.log2(math.e),
+                                                                    max_ctas(q8.device)) or out
                 if not causal:  # V's layout does not depend on the mask: timed once per shape
                     impls["V^T key permutation alone"] = lambda: prepare_v_fp8(v8)
                     impls["V^T, torch strided copy"] = lambda: v_layout.prepare_v_fp8_torch(v8)

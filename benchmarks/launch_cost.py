@@ -34,12 +34,13 @@ def main() -> None:
     decision = attnforge.explain(q, k, v)
     if torch.cuda.get_device_capability() == (9, 0):
         from attnforge.backends.cute_sm90 import compile as cc
+        from attnforge.backends.cute_sm90.backend import max_ctas
         from attnforge.dispatch import registered
 
         kernel = cc.compiled(registered()["cute_sm90"].module(q.dtype, 64), "bf16", False)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
         scale_log2 = 64 ** -0.5 * math.log2(math.e)
-        impls["cute_sm90 kernel, called directly"] = lambda: kernel(q, k, v, out, lse, scale_log2)
+        impls["cute_sm90 kernel, called directly"] = lambda: kernel(q, k, v, out, lse, scale_log2, max_ctas(q.device))
         # where the rest goes: the backend's forward() without the dispatcher, the dispatcher alone
         # (a cached Decision lookup) and the two output allocations
         backend = registered()["cute_sm90"]

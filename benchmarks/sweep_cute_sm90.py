@@ -10,6 +10,7 @@ committed beside them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -19,6 +20,7 @@ import torch
 import triton.testing
 
 from attnforge.backends.cute_sm90 import compile as cc
+from attnforge.backends.cute_sm90.backend import max_ctas
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.backends.cute_sm90.variants import WG2, WG3, Sm90FwdTile, check
 from attnforge.bench.measure import flops
@@ -45,6 +47,47 @@ FP8_CANDIDATES = {  # FA3 uses 128x224 at d=128 for FP8
 }
 
 
+def measure(tile, head_dim, args, folder, causals, ctas) -> list[dict]:
+    """Render, compile, check and time one tile at every --seqlen; the result rows."""
+    fp8 = args.kind == "fp8"
+    dtype = "fp8" if fp8 else "bf16"
+    invalid = check(tile, head_dim, args.kind)
+    if invalid:
+        print(f"d={head_dim} {tile.describe()}: invalid: {invalid}")
+        return []
+    mod = load_rendered("cute_sm90_fwd.py.jinja", folder / f"{tile.module(head_dim, args.kind)}.py",
+                        **tile.params(head_dim, args.kind))
+    kernels = {c: cc.compile_module(mod, dtype, c) for c in causals}
+    rows = []
+    for n in map(int, args.seqlen.split(",")):
+        b, h = max(16384 // n, 1), 2048 // head_dim
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(b, h, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for _ in range(3))
+        if fp8:  # the values the kernel sees, so the fp32 check below uses the same ones
+            q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+            extra = (prepare_v_fp8(v), torch.ones(3, b, h, device="cuda"))
+        for causal in causals:
+            out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+            lse = torch.empty(q.shape[:3], device="cuda")
+            scale_log2 = head_dim ** -0.5 * math.log2(math.e)
+            if fp8:
+                run = lambda: kernels[causal](q, k, extra[0], out, lse, extra[1], scale_log2, ctas)  # noqa: E731
+            else:
+                run = lambda: kernels[causal](q, k, v, out, lse, scale_log2, ctas)  # noqa: E731
+            run()
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), is_causal=causal)
+            err = (out[:1, :2].float() - ref).abs().max().item()
+            ms = triton.testing.do_bench(run, warmup=25, rep=200)
+            tflops = flops(b, h, n, n, head_dim, head_dim, causal, "fwd") / ms / 1e9
+            rows.append(dict(kind=args.kind, head_dim=head_dim, seqlen=n, causal=causal, tile=tile.describe(),
+                             module=tile.module(head_dim, args.kind), ms=ms, tflops=tflops, max_err_vs_fp32=err))
+            print(f"d={head_dim} N={n} {'causal' if causal else 'full  '} {tile.describe():60s} "
+                  f"{tflops:6.0f} TFLOP/s  err {err:.1e}", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json")
@@ -54,51 +97,19 @@ def main() -> None:
     p.add_argument("--causal", default="both", choices=("both", "full", "causal"))
     p.add_argument("--match", default="", help="only tiles whose description contains one of these (comma-separated; "
                    "=description: exactly that one)")
+    p.add_argument("--also-persistent", action="store_true", help="also each tile with persistent=True")
     args = p.parse_args()
-    fp8 = args.kind == "fp8"
-    dtype = "fp8" if fp8 else "bf16"
     results = []
     folder = pathlib.Path(tempfile.mkdtemp(prefix="cute_sm90_sweep_"))
     causals = {"both": (False, True), "full": (False,), "causal": (True,)}[args.causal]
+    ctas = max_ctas(torch.device("cuda"))
     for head_dim in map(int, args.head_dim.split(",")):
-        for tile in (FP8_CANDIDATES if fp8 else CANDIDATES)[head_dim]:
+        for tile in (FP8_CANDIDATES if args.kind == "fp8" else CANDIDATES)[head_dim]:
             if args.match and not any(tile.describe() == m[1:] if m.startswith("=") else m in tile.describe()
                                       for m in args.match.split(",")):
                 continue
-            invalid = check(tile, head_dim, args.kind)
-            if invalid:
-                print(f"d={head_dim} {tile.describe()}: invalid: {invalid}")
-                continue
-            mod = load_rendered("cute_sm90_fwd.py.jinja", folder / f"{tile.module(head_dim, args.kind)}.py",
-                                **tile.params(head_dim, args.kind))
-            kernels = {c: cc.compile_module(mod, dtype, c) for c in causals}
-            for n in map(int, args.seqlen.split(",")):
-                b, h = max(16384 // n, 1), 2048 // head_dim
-                g = torch.Generator(device="cuda").manual_seed(0)
-                q, k, v = (torch.randn(b, h, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-                           for _ in range(3))
-                if fp8:  # the values the kernel sees, so the fp32 check below uses the same ones
-                    q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
-                    extra = (prepare_v_fp8(v), torch.ones(3, b, h, device="cuda"))
-                for causal in causals:
-                    out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-                    lse = torch.empty(q.shape[:3], device="cuda")
-                    scale_log2 = head_dim ** -0.5 * math.log2(math.e)
-                    if fp8:
-                        run = lambda: kernels[causal](q, k, extra[0], out, lse, extra[1], scale_log2)  # noqa: E731
-                    else:
-                        run = lambda: kernels[causal](q, k, v, out, lse, scale_log2)  # noqa: E731
-                    run()
-                    ref = torch.nn.functional.scaled_dot_product_attention(
-                        q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), is_causal=causal)
-                    err = (out[:1, :2].float() - ref).abs().max().item()
-                    ms = triton.testing.do_bench(run, warmup=25, rep=200)
-                    tflops = flops(b, h, n, n, head_dim, head_dim, causal, "fwd") / ms / 1e9
-                    row = dict(kind=args.kind, head_dim=head_dim, seqlen=n, causal=causal, tile=tile.describe(),
-                               module=tile.module(head_dim, args.kind), ms=ms, tflops=tflops, max_err_vs_fp32=err)
-                    results.append(row)
-                    print(f"d={head_dim} N={n} {'causal' if causal else 'full  '} {tile.describe():60s} "
-                          f"{tflops:6.0f} TFLOP/s  err {err:.1e}", flush=True)
+            for variant in ((tile, dataclasses.replace(tile, persistent=True)) if args.also_persistent else (tile,)):
+                results += measure(variant, head_dim, args, folder, causals, ctas)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                                        "torch": torch.__version__, "results": results}, indent=1))

@@ -32,6 +32,7 @@ import tempfile
 import torch
 
 from attnforge.backends.cute_sm90 import compile as cc
+from attnforge.backends.cute_sm90.backend import max_ctas
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.backends.cute_sm90.variants import WG2, WG3, Sm90FwdTile, check
 from attnforge.codegen.render import import_path, render
@@ -82,11 +83,10 @@ def patch(source: str, trace_m: int, trace_h: int) -> str:
         f"            mLSE[trace_base + n_block * {EVENTS} + event, 0, 0] = Float32(cute.arch.clock() - t0)\n\n"
         "    @cute.jit\n    def to_p_operand(")
     # the producer (one thread): its own base after the consumer warpgroups'
-    sub("m_block, head, head_kv, batch, n_block_max)\n", "m_block, head, head_kv, batch, n_block_max, mLSE)\n")
+    sub("batch, n_block_max)\n", "batch, n_block_max, mLSE)\n")
     sub("             m_block, head, head_kv, batch, n_block_max):\n", "             m_block, head, head_kv, batch, n_block_max, mLSE):\n")
-    sub("        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)\n",
-        "        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)\n"
-        + _trace_start(trace_m, trace_h, "True", str(PRODUCER_BASE)))
+    loads = '        """One tile\'s TMA loads: Q, then K and V block by block; returns the K/V pipeline state after them."""\n'
+    sub(loads, loads + _trace_start(trace_m, trace_h, "True", str(PRODUCER_BASE)))
     for text, event in (("            pipe_k.producer_acquire(kv_state)\n", 0), ("            pipe_v.producer_acquire(kv_state)\n", 2)):
         sub(text, text + f"            self.trace(mLSE, trace_base, n_block, {event}, t0)\n")
     for text, event in (("tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))\n", 1),
@@ -128,9 +128,10 @@ def main() -> None:
     scale_log2 = d ** -0.5 * math.log2(math.e)
     if fp8:
         q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
-        run = lambda: kernel(q, k, prepare_v_fp8(v), out, lse, torch.ones(3, b, h, device="cuda"), scale_log2)  # noqa: E731
+        run = lambda: kernel(q, k, prepare_v_fp8(v), out, lse, torch.ones(3, b, h, device="cuda"),  # noqa: E731
+                             scale_log2, max_ctas(q.device))
     else:
-        run = lambda: kernel(q, k, v, out, lse, scale_log2)  # noqa: E731
+        run = lambda: kernel(q, k, v, out, lse, scale_log2, max_ctas(q.device))  # noqa: E731
     for _ in range(3):  # the last run's trace is read
         run()
     torch.cuda.synchronize()

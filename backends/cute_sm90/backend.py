@@ -26,6 +26,12 @@ _DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3f
 LOG2_E = 1.4426950408889634  # the kernels work in exp2: they take scale * log2(e)
 
 
+@functools.lru_cache(maxsize=None)
+def max_ctas(device: torch.device) -> int:
+    """The CTA count a persistent cute_sm90 kernel launches on ``device``: its SM count (one CTA fits per SM)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """TMA needs unit stride on head_dim, 16-byte aligned other strides and a 16-byte aligned start.
     (Every head_dim served is a multiple of 16 bytes, so a fresh contiguous copy qualifies.)"""
@@ -118,8 +124,8 @@ class CuteSm90Backend(Backend):
             out = torch.empty_like(q, dtype=torch.bfloat16)
             if descale is None:
                 descale = torch.ones(3, k.shape[0], k.shape[1], dtype=torch.float32, device=q.device)
-            kernel(q, k, prepare_v_fp8(v), out, lse, descale, scale_log2)
+            kernel(q, k, prepare_v_fp8(v), out, lse, descale, scale_log2, max_ctas(q.device))
         else:
             out = torch.empty_like(q)  # q's strides when q is dense, else contiguous: TMA-ready either way
-            kernel(q, k, _tma_ready(v), out, lse, scale_log2)
+            kernel(q, k, _tma_ready(v), out, lse, scale_log2, max_ctas(q.device))
         return out, lse

@@ -42,4 +42,15 @@ case "$1" in
     python3 benchmarks/clock_probe.py --seconds 3 --json $OUT/clock_cudnn.json 2>&1 | grep -v Warning
     python3 benchmarks/bench_fp8.py --head-dim 128,64,256 --seqlen 16384,4096 --json $OUT/fp8.json 2>&1 | grep -v Warning
     ;;
+  persist)  # the picks with and without the persistent tile loop (non-causal only), N 1k/4k/16k
+    m="=128x128 s2 2 consumer warpgroups pingpong,=192x128 s2 3 consumer warpgroups pingpong,=128x64 s2 2 consumer warpgroups pingpong"
+    python3 benchmarks/sweep_cute_sm90.py --kind 16bit --head-dim 128,64,256 --seqlen 1024,4096,16384 --causal full \
+      --also-persistent --match "$m" --json $OUT/persist_16bit.json 2>&1 | grep -v Warning
+    python3 benchmarks/sweep_cute_sm90.py --kind fp8 --head-dim 128,64,256 --seqlen 1024,4096,16384 --causal full \
+      --also-persistent --match "$m" --json $OUT/persist_fp8.json 2>&1 | grep -v Warning
+    ;;
+  tests)  # the GPU suite on the picked kernels
+    python3 -m pytest tests/backends/cute_sm90 tests/test_api.py -q -p no:cacheprovider -x \
+      -k "cute_sm90 or fp8 or cuda" 2>&1 | tail -n 12
+    ;;
 esac

@@ -23,6 +23,7 @@ SHAPES = [(1, 2, 2, 1, 1), (2, 3, 3, 17, 17), (1, 4, 2, 113, 1023), (1, 4, 1, 10
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_poisoned_outputs_match_fp64(shape, dtype, causal, head_dim, gen):
     from attnforge.backends.cute_sm90 import compile as cc
+    from attnforge.backends.cute_sm90.backend import max_ctas
     from attnforge.dispatch import registered
 
     b, hq, hkv, nq, nk = shape
@@ -32,7 +33,7 @@ def test_poisoned_outputs_match_fp64(shape, dtype, causal, head_dim, gen):
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
     kernel = cc.compiled(registered()["cute_sm90"].module(torch_dtype, head_dim), dtype, causal)
-    kernel(q, k, v, out, lse, head_dim ** -0.5 * math.log2(math.e))
+    kernel(q, k, v, out, lse, head_dim ** -0.5 * math.log2(math.e), max_ctas(q.device))
     ref, ref_lse, _ = oracle(q, k, v, causal=causal)
     peer, _ = peer_error(q, k, v, causal=causal)
     ulps = 4 * math.sqrt(max(nk, head_dim))
@@ -110,6 +111,7 @@ def test_negative_scale_matches_fp64(dtype, causal, gen):
 def test_fp8_kernel_writes_every_element(causal, gen):
     """The FP8 kernel called directly with NaN-poisoned outputs: odd lengths, GQA."""
     from attnforge.backends.cute_sm90 import compile as cc
+    from attnforge.backends.cute_sm90.backend import max_ctas
     from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
     from attnforge.dispatch import registered
 
@@ -119,8 +121,46 @@ def test_fp8_kernel_writes_every_element(causal, gen):
     out = torch.full((b, hq, nq, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((b, hq, nq), float("nan"), device="cuda")
     kernel = cc.compiled(registered()["cute_sm90"].module(torch.float8_e4m3fn, d), "fp8", causal)
-    kernel(q, k, prepare_v_fp8(v), out, lse, torch.ones(3, b, hkv, device="cuda"), d ** -0.5 * math.log2(math.e))
+    kernel(q, k, prepare_v_fp8(v), out, lse, torch.ones(3, b, hkv, device="cuda"), d ** -0.5 * math.log2(math.e),
+           max_ctas(q.device))
     assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.parametrize("max_ctas", (1, 3, 7))
+@pytest.mark.parametrize("dtype", ("bf16", "fp8"))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_persistent_ctas_cover_every_tile(head_dim, causal, dtype, max_ctas, gen):
+    """Few CTAs for many tiles (2 x 5 heads x 3-8 m blocks): each persistent CTA loops over many tiles,
+    across heads and batches, so a tile that is skipped, run twice or given another tile's head, batch
+    or K/V stage shows against fp64 math on a NaN-poisoned output. Causal kernels take one CTA per tile
+    and must ignore max_ctas."""
+    from attnforge.backends.cute_sm90 import compile as cc
+    from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
+    from attnforge.dispatch import registered
+    from attnforge.testing import fp8_peer, rel_error
+
+    b, hq, hkv, nq, nk = 2, 5, 5, 401, 389
+    torch_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[dtype]
+    q, k, v = (torch.randn(b, hq, n, head_dim, generator=gen).to("cuda").to(torch_dtype) for n in (nq, nk, nk))
+    out = torch.full((b, hq, nq, head_dim), float("nan"), device="cuda",
+                     dtype=torch.bfloat16 if dtype == "fp8" else torch_dtype)
+    lse = torch.full((b, hq, nq), float("nan"), device="cuda")
+    kernel = cc.compiled(registered()["cute_sm90"].module(torch_dtype, head_dim), dtype, causal)
+    scale_log2 = head_dim ** -0.5 * math.log2(math.e)
+    if dtype == "fp8":
+        kernel(q, k, prepare_v_fp8(v), out, lse, torch.ones(3, b, hkv, device="cuda"), scale_log2, max_ctas)
+    else:
+        kernel(q, k, v, out, lse, scale_log2, max_ctas)
+    ref, ref_lse, _ = oracle(q.float(), k.float(), v.float(), causal=causal)
+    assert not out.isnan().any() and not lse.isnan().any()
+    if dtype == "fp8":
+        inherent = rel_error(fp8_peer(q.float(), k.float(), v.float(), causal=causal), ref)
+        assert rel_error(out, ref) <= 1.2 * inherent + 2 ** -8, (rel_error(out, ref), inherent)
+    else:
+        peer, _ = peer_error(q, k, v, causal=causal)
+        assert_close("out", out, ref, peer, ulps=4 * math.sqrt(nk))
+        assert_close("lse", lse, ref_lse, ref_lse.float(), ulps=4 * math.sqrt(nk))
 
 
 @pytest.mark.parametrize("seqlen", (1, 17, 113, 1023, 4096))

@@ -36,4 +36,9 @@ def test_check_names_what_is_wrong(tile, head_dim, needle):
 def test_module_names_are_distinct_and_describe_the_tile():
     names = {t.module(d, k) for k, d, t in variants.picks()}
     assert len(names) == len(variants.picks())
-    assert "fwd_16bit_d128_m128_n128_s2_wg2_pp" in names
+    assert "fwd_16bit_d256_m128_n64_s2_wg2_pp" in names
+
+
+def test_persistent_shows_in_the_names():
+    tile = Sm90FwdTile(128, 128, persistent=True)
+    assert tile.module(128).endswith("_pp_ps") and tile.describe().endswith(" persistent")

@@ -8,6 +8,7 @@
 #   head_dim = 128
 #   kind = 16bit
 #   kv_stages = 2
+#   persistent = True
 #   pingpong = True
 #   producer_registers = 24
 #   tile_m = 128
@@ -40,6 +41,11 @@ CONSUMER_WARPGROUPS = 2
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 PINGPONG = True  # the consumer warpgroups take turns issuing GEMMs (named barriers)
+# Without causal masking: max_ctas CTAs (the SM count) each loop over (m block, head, batch) tiles, so a
+# tile's prologue (Q and the first K/V loads) overlaps the previous tile's last blocks and epilogue.
+# Causal keeps one CTA per tile, heaviest first (its tiles differ in length; a static split would not balance).
+PERSISTENT = True
+MAX_CTAS_ARGUMENT = True  # __call__ takes max_ctas (pass the SM count) after scale_log2, used when persistent
 FP8 = False  # e4m3 Q, K, V with per-(batch, kv head) descales; V arrives transposed (see below)
 # FP8: P is computed as 2^8 * softmax so that small probabilities keep precision in e4m3 (FlashAttention-4
 # pre-scales P by 2^8 for FP8); row sums carry the same factor, so O is unchanged and LSE subtracts 8.
@@ -113,10 +119,11 @@ class Forward:
         self.dtype = dtype
         self.out_dtype = out_dtype
         self.causal = causal
+        self.persistent = PERSISTENT and not causal
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, scale_log2: Float32, stream: cuda.CUstream):
+                 mLSE: cute.Tensor, scale_log2: Float32, max_ctas: cutlass.Int32, stream: cuda.CUstream):
         mDescale = None
         # torch order (b, h, s, d) -> (s, d, h, b); LSE (b, h, s) -> (s, h, b); FP8 V^T (b, h, d, s) -> (d, s, h, b)
         mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
@@ -159,6 +166,8 @@ class Forward:
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.kv_bytes = cute.size_in_bytes(self.dtype, sK_one)
         grid = (cute.ceil_div(mQ.shape[0], TILE_M), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        if const_expr(self.persistent):
+            grid = (cutlass.min(grid[0] * grid[1] * grid[2], max_ctas), 1, 1)
         self.kernel(tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, mO, mLSE, mDescale,
                     sQ_layout, sK_layout, sV_layout, scale_log2).launch(
             grid=grid, block=[THREADS_PER_WG * (1 + CONSUMER_WARPGROUPS), 1, 1],
@@ -172,11 +181,6 @@ class Forward:
                scale_log2: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        bidx, head, batch = cute.arch.block_idx()
-        num_m_blocks, _, _ = cute.arch.grid_dim()
-        # heavy (long causal rows) tiles first
-        m_block = num_m_blocks - 1 - bidx if const_expr(self.causal) else bidx
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
 
@@ -204,30 +208,97 @@ class Forward:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # Blocks of keys this Q tile sees: [0, n_block_max). Causal aligns bottom-right.
+        # Tiles (m block, head, batch) this CTA runs: the one its block index names, or with PERSISTENT every
+        # grid_dim-th of them (a loop only then: the loop's state cost registers, spills at 3 warpgroups).
+        m_blocks = cute.ceil_div(seqlen_q, TILE_M)
+        tile_count = m_blocks * mQ.shape[2] * mQ.shape[3]
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+                if const_expr(self.persistent):
+                    for tile in cutlass.range(cute.arch.block_idx()[0], tile_count, cute.arch.grid_dim()[0], unroll=1):
+                        q_state, kv_state = self.load_tile(tile, m_blocks, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
+                                                           pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k)
+                else:
+                    self.load_tile(0, m_blocks, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
+                                   pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            if const_expr(PINGPONG and self.persistent):
+                self.first_turn(cute.arch.make_warp_uniform((tidx - THREADS_PER_WG) // THREADS_PER_WG))
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+            args = (m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, mO, mLSE, mDescale, pipe_q, pipe_k, pipe_v)
+            if const_expr(self.persistent):
+                for tile in cutlass.range(cute.arch.block_idx()[0], tile_count, cute.arch.grid_dim()[0], unroll=1):
+                    q_state, kv_state = self.consume_tile(tile, *args, q_state, kv_state, tidx - THREADS_PER_WG,
+                                                          seqlen_q, seqlen_k, scale_log2)
+            else:
+                self.consume_tile(0, *args, q_state, kv_state, tidx - THREADS_PER_WG, seqlen_q, seqlen_k, scale_log2)
+
+    @cute.jit
+    def load_tile(self, tile, m_blocks, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                  q_state, kv_state, seqlen_q, seqlen_k):
+        """The producer's part of one tile; returns the pipeline states after it."""
+        m_block, head, batch = self.tile_coordinates(tile, m_blocks, mQ.shape[2])
+        n_block_max = self.key_blocks(m_block, seqlen_q, seqlen_k)
+        if n_block_max > 0:
+            kv_state = self.load(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                                 q_state, kv_state, m_block, head,
+                                 head // (mQ.shape[2] // mK.shape[2]), batch, n_block_max)
+            q_state.advance()
+        return q_state, kv_state
+
+    @cute.jit
+    def consume_tile(self, tile, m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, mO, mLSE, mDescale,
+                     pipe_q, pipe_k, pipe_v, q_state, kv_state, tidx, seqlen_q, seqlen_k, scale_log2):
+        """The consumers' part of one tile; returns the pipeline states after it."""
+        m_block, head, batch = self.tile_coordinates(tile, m_blocks, mQ.shape[2])
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        n_block_max = self.key_blocks(m_block, seqlen_q, seqlen_k)
+        v_scale = Float32(1.0)
+        if const_expr(FP8):  # dequantisation: S scales by q_descale * k_descale, O by v_descale
+            scale_log2 = scale_log2 * mDescale[0, batch, head_kv] * mDescale[1, batch, head_kv]
+            v_scale = mDescale[2, batch, head_kv]
+        kv_state = self.consume(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mLSE, pipe_q, pipe_k, pipe_v,
+                                q_state, kv_state, tidx, m_block, head, batch, seqlen_q, seqlen_k, n_block_max,
+                                scale_log2, v_scale)
+        if const_expr(self.persistent):
+            if n_block_max > 0:
+                q_state.advance()
+        return q_state, kv_state
+
+    @cute.jit
+    def first_turn(self, wg):
+        """Pingpong: warpgroup 0 issues its GEMMs first (it arrives on its own barrier once)."""
+        if wg == 0:
+            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER_BASE, number_of_threads=2 * THREADS_PER_WG)
+
+    @cute.jit
+    def tile_coordinates(self, tile, m_blocks, heads):
+        """(m block, head, batch) of a tile: the linear tile index (m blocks fastest, so CTAs running at once
+        share K and V in L2), or without PERSISTENT the block index, heaviest causal tiles first."""
+        if const_expr(self.persistent):
+            return tile % m_blocks, (tile // m_blocks) % heads, tile // (m_blocks * heads)
+        bidx, head, batch = cute.arch.block_idx()
+        m_blocks = cute.arch.grid_dim()[0]  # = m_blocks, but a special register ptxas re-reads rather than keeps
+        return (m_blocks - 1 - bidx if const_expr(self.causal) else bidx), head, batch
+
+    @cute.jit
+    def key_blocks(self, m_block, seqlen_q, seqlen_k):
+        """Blocks of keys the Q tile m_block sees: [0, n_block_max). Causal aligns bottom-right."""
         n_block_max = cute.ceil_div(seqlen_k, TILE_N)
         if const_expr(self.causal):
             n_block_max = cutlass.min(
                 n_block_max, cute.ceil_div(cutlass.max((m_block + 1) * TILE_M + seqlen_k - seqlen_q, 0), TILE_N))
-
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if warp_idx == 0 and n_block_max > 0:
-                self.load(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                          m_block, head, head_kv, batch, n_block_max)
-        else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            v_scale = Float32(1.0)
-            if const_expr(FP8):  # dequantisation: S scales by q_descale * k_descale, O by v_descale
-                scale_log2 = scale_log2 * mDescale[0, batch, head_kv] * mDescale[1, batch, head_kv]
-                v_scale = mDescale[2, batch, head_kv]
-            self.consume(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mLSE, pipe_q, pipe_k, pipe_v,
-                         tidx - THREADS_PER_WG, m_block, head, batch, seqlen_q, seqlen_k, n_block_max,
-                         scale_log2, v_scale)
+        return n_block_max
 
     @cute.jit
-    def load(self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+    def load(self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v, q_state, kv_state,
              m_block, head, head_kv, batch, n_block_max):
+        """One tile's TMA loads: Q, then K and V block by block; returns the K/V pipeline state after them."""
         gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, HEAD_DIM), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, HEAD_DIM), (None, 0))
         if const_expr(FP8):
@@ -239,11 +310,9 @@ class Forward:
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
         for i in cutlass.range(n_block_max, unroll=1):
             n_block = n_block_max - 1 - i  # high to low: the masked blocks come first
             pipe_k.producer_acquire(kv_state)
@@ -253,10 +322,13 @@ class Forward:
             cute.copy(tma_v, tVgV[None, n_block], tVsV[None, kv_state.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
             kv_state.advance()
+        return kv_state
 
     @cute.jit
-    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mLSE, pipe_q, pipe_k, pipe_v,
+    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mLSE, pipe_q, pipe_k, pipe_v, q_state, kv_state,
                 tidx, m_block, head, batch, seqlen_q, seqlen_k, n_block_max, scale_log2, v_scale):
+        """One tile: the key-block loop and the epilogue. ``kv_state`` is the next K/V stage to read; returns
+        it after the tile's blocks. Q is released once the tile's last Q K^T is done."""
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         thr_qk = tiled_mma_qk.get_slice(tidx)
         wg_qk = tiled_mma_qk.get_slice(wg * THREADS_PER_WG)
@@ -281,14 +353,16 @@ class Forward:
         tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
         tScS = cute.make_tensor(tScS.iterator, acc_rows_cols(tScS.layout))
 
-        if const_expr(PINGPONG):
-            if wg == 0:
-                cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER_BASE,
-                                         number_of_threads=2 * THREADS_PER_WG)
+        if const_expr(PINGPONG and not self.persistent):  # (persistent: once, before the first tile)
+            self.first_turn(wg)
 
         if n_block_max > 0:
-            pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+            if const_expr(self.persistent):
+                pipe_q.consumer_wait(q_state)
+                state = kv_state.clone()
+            else:  # the first and only tile: constant states (passed-in ones cost registers: spills at 3 warpgroups)
+                pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
             # first block: S = Q K^T only (its P @ V is issued with the next block's Q K^T)
             pipe_k.consumer_wait(state)
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
@@ -315,14 +389,20 @@ class Forward:
                 state = self.step(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, rP, acc_O, row_max, row_sum,
                                   pipe_k, pipe_v, state, tScS, m_block, n_mask_start - 1 - i, seqlen_q, seqlen_k,
                                   scale_log2, wg, False)
+            if const_expr(self.persistent):  # the next tile's Q may load: every Q K^T here has completed
+                pipe_q.consumer_release(q_state)
             # last P @ V
             pipe_v.consumer_wait(state)
             gemm(tiled_mma_pv, acc_O, rP, tOrV[None, None, None, state.index], zero_init=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
+            if const_expr(self.persistent):
+                state.advance()
+                kv_state = state
 
         self.epilogue(acc_O, row_max, row_sum, thr_pv, tScS, mO, mLSE, tidx, m_block, head, batch,
                       seqlen_q, scale_log2, v_scale)
+        return kv_state
 
     @cute.jit
     def step(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, rP, acc_O, row_max, row_sum,
