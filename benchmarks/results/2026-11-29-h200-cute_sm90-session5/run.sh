@@ -53,4 +53,9 @@ case "$1" in
     python3 -m pytest tests/backends/cute_sm90 tests/test_api.py -q -p no:cacheprovider -x \
       -k "cute_sm90 or fp8 or cuda" 2>&1 | tail -n 12
     ;;
+  final)  # carry .gpu-cudnn on a machine where .gpu's stack is in /tmp/site: after the tile-loop change
+    python3 benchmarks/bench_fp8.py --head-dim 128 --seqlen 16384,4096 --json $OUT/final_fp8.json 2>&1 | grep -v Warning
+    python3 -m attnforge bench --mode fwd --head-dim 128,64 --seqlen 1024,4096,16384 \
+      --backends cute_sm90,sdpa-cudnn,fa4 --out $OUT/final_bench.json 2>&1 | grep -v Warning | grep -v "^$"
+    ;;
 esac
