@@ -68,11 +68,11 @@ def elements(dtype: str, arch: str = ARCH):
     return element, (cutlass.BFloat16 if dtype == "fp8" else element)
 
 
-def fake_arguments(dtype: str, head_dim: int, arch: str = ARCH, max_ctas: bool = False):
+def fake_arguments(dtype: str, head_dim: int, arch: str = ARCH, takes_max_ctas: bool = False):
     """Fake arguments for cute.compile: q, k, v, out (batch, heads, seqlen, head_dim) with symbolic sizes
     and strides (16-byte aligned rows, as TMA needs), fp32 LSE (batch, heads, seqlen), then for FP8
-    the descales (3, batch, heads_kv) in fp32, then scale_log2, with ``max_ctas`` the CTA count a persistent
-    kernel may launch (cute_sm90's take it; pass the SM count), and the stream. FP8's v is V^T
+    the descales (3, batch, heads_kv) in fp32, then scale_log2, with ``takes_max_ctas`` the Int32 CTA count a
+    persistent kernel may launch (cute_sm90's take it; pass the SM count), and the stream. FP8's v is V^T
     (batch, heads_kv, head_dim, seqlen_k padded to 32): see v_layout.py."""
     cutlass = import_cutlass(arch)
     import cutlass.cute as cute
@@ -89,7 +89,8 @@ def fake_arguments(dtype: str, head_dim: int, arch: str = ARCH, max_ctas: bool =
                            assumed_align=4)
     q, k = tensor(element, batch, heads_q, seqlen_q, head_dim), tensor(element, batch, heads_kv, seqlen_k, head_dim)
     out = tensor(out_element, batch, heads_q, seqlen_q, head_dim)
-    tail = (cutlass.Float32(1.0), *((cutlass.Int32(1),) if max_ctas else ()), make_fake_stream(use_tvm_ffi_env_stream=True))
+    max_ctas = (cutlass.Int32(1),) if takes_max_ctas else ()
+    tail = (cutlass.Float32(1.0), *max_ctas, make_fake_stream(use_tvm_ffi_env_stream=True))
     if dtype != "fp8":
         return (q, k, tensor(element, batch, heads_kv, seqlen_k, head_dim), out, lse, *tail)
     v_t = tensor(element, batch, heads_kv, head_dim, seqlen_v)
@@ -163,7 +164,8 @@ class Target:
         if dump_dir:
             os.makedirs(dump_dir, exist_ok=True)  # the DSL writes nothing, silently, into a missing directory
             options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
-        args = fake_arguments(dtype, mod.HEAD_DIM, self.arch, max_ctas=getattr(mod, "MAX_CTAS_ARGUMENT", False))
+        args = fake_arguments(dtype, mod.HEAD_DIM, self.arch,
+                              takes_max_ctas=getattr(mod, "MAX_CTAS_ARGUMENT", False))
         return cute.compile(mod.Forward(element, out_element, causal), *args, options=options)
 
     def _in_child(self, call: str) -> None:

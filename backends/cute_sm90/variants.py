@@ -148,12 +148,11 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
 
 
 # Where triton_fa2 measured faster on the H200: (kind, head_dim) -> ([from, below) seqlen_k, the measurement
-# the Decision quotes). Empty since
-# session 5: d=64 had (1024, 4096) from benchmarks/results/2026-11-29-h200-cute_sm90/bench.json (N=1024:
-# triton_fa2 332 vs 289 TFLOP/s with the 128x128 kernel), but the 192x128 3-warpgroup kernel now leads at
-# every length timed (session5/bench.json, bf16, 16k tokens, full/causal: N=1024 365/233 vs triton_fa2
-# 333/225; N=4096 480/399 vs 411/352). Shorter sequences: the launch path dominates, and cute_sm90's is
-# the cheaper one (benchmarks/launch_cost.py).
+# the Decision quotes). Empty since session 5: d=64 had (1024, 4096) from benchmarks/results/
+# 2026-11-29-h200-cute_sm90/bench.json (N=1024: triton_fa2 332 vs 289 TFLOP/s with the 128x128 kernel),
+# but the 192x128 3-warpgroup kernel now leads at every length timed (session5/bench.json, bf16, 16k
+# tokens, full/causal: N=1024 365/233 vs triton_fa2 333/225; N=4096 480/399 vs 411/352). Shorter
+# sequences: the launch path dominates, and cute_sm90's is the cheaper one (benchmarks/launch_cost.py).
 TRITON_FASTER: dict[tuple[str, int], tuple[int, int, str]] = {}
 
 
