@@ -79,13 +79,20 @@ def measure(tile, head_dim, args, folder, causals, ctas) -> list[dict]:
             ref = torch.nn.functional.scaled_dot_product_attention(
                 q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), is_causal=causal)
             err = (out[:1, :2].float() - ref).abs().max().item()
+            rel = ((out[:1, :2].float() - ref).norm() / ref.norm()).item()  # relative Frobenius; NaN stays NaN
             ms = triton.testing.do_bench(run, warmup=25, rep=200)
             tflops = flops(b, h, n, n, head_dim, head_dim, causal, "fwd") / ms / 1e9
             rows.append(dict(kind=args.kind, head_dim=head_dim, seqlen=n, causal=causal, tile=tile.describe(),
-                             module=tile.module(head_dim, args.kind), ms=ms, tflops=tflops, max_err_vs_fp32=err))
+                             module=tile.module(head_dim, args.kind), ms=ms, tflops=tflops, max_err_vs_fp32=err, rel_err_vs_fp32=rel))
             print(f"d={head_dim} N={n} {'causal' if causal else 'full  '} {tile.describe():60s} "
-                  f"{tflops:6.0f} TFLOP/s  err {err:.1e}", flush=True)
+                  f"{tflops:6.0f} TFLOP/s  err {err:.1e} rel {rel:.1e}", flush=True)
     return rows
+
+
+def variants_of(tile: Sm90FwdTile, spec: str) -> list[Sm90FwdTile]:
+    """The tile with each '+'-joined set of boolean fields in ``spec`` switched on ('base': as it is)."""
+    return [dataclasses.replace(tile, **{f: True for f in flags.split("+") if f != "base"})
+            for flags in spec.split(",")]
 
 
 def main() -> None:
@@ -98,6 +105,8 @@ def main() -> None:
     p.add_argument("--match", default="", help="only tiles whose description contains one of these (comma-separated; "
                    "=description: exactly that one)")
     p.add_argument("--also-persistent", action="store_true", help="also each tile with persistent=True")
+    p.add_argument("--variants", default="", help="each tile as given ('base') and/or with these flags set, e.g. "
+                   "'base,row_sum_mma,persistent+row_sum_mma' (comma-separated; '+' joins flags)")
     args = p.parse_args()
     results = []
     folder = pathlib.Path(tempfile.mkdtemp(prefix="cute_sm90_sweep_"))
@@ -108,7 +117,7 @@ def main() -> None:
             if args.match and not any(tile.describe() == m[1:] if m.startswith("=") else m in tile.describe()
                                       for m in args.match.split(",")):
                 continue
-            for variant in ((tile, dataclasses.replace(tile, persistent=True)) if args.also_persistent else (tile,)):
+            for variant in variants_of(tile, args.variants or ("base,persistent" if args.also_persistent else "base")):
                 results += measure(variant, head_dim, args, folder, causals, ctas)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),

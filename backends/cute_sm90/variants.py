@@ -36,6 +36,8 @@ class Sm90FwdTile:
     pingpong: bool = True  # named-barrier ordering of the consumer warpgroups' GEMMs
     # without causal masking, one CTA per SM looping over the tiles (see PERSISTENT in the template)
     persistent: bool = False
+    # row sums of P by a small WGMMA against an all-ones block (ROW_SUM_MMA in the template) instead of FADDs
+    row_sum_mma: bool = False
     cluster: tuple[int, int] = (1, 1)
     # Register spill (stack bytes, ptxas) accepted because the tile measured faster all the same; the
     # compile tests fail on any spill above it.
@@ -43,14 +45,16 @@ class Sm90FwdTile:
 
     def module(self, head_dim: int, kind: str = "16bit") -> str:
         return (f"fwd_{kind}_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.kv_stages}"
-                f"_wg{self.consumer_warpgroups}{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}")
+                f"_wg{self.consumer_warpgroups}{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
+                f"{'_rs' if self.row_sum_mma else ''}")
 
     def params(self, head_dim: int, kind: str = "16bit") -> dict:
         return {**dataclasses.asdict(self), "head_dim": head_dim, "kind": kind}
 
     def smem_bytes(self, head_dim: int, kind: str = "16bit") -> int:
         tiles = self.tile_m * head_dim + 2 * self.kv_stages * self.tile_n * head_dim  # Q, K and V stages
-        return ELEMENT_BYTES[kind] * tiles + 8 * (2 + 4 * self.kv_stages) + 1024  # mbarriers, alignment
+        ones = 8 * self.tile_n + 1024 if self.row_sum_mma else 0  # the all-ones block, 1024-aligned
+        return ELEMENT_BYTES[kind] * tiles + ones + 8 * (2 + 4 * self.kv_stages) + 1024  # mbarriers, alignment
 
     def registers_needed(self, head_dim: int, kind: str = "16bit") -> int:
         """Per consumer thread: S (64 x tile_n fp32), O (64 x head_dim fp32) and P (16-bit: two per
@@ -60,7 +64,8 @@ class Sm90FwdTile:
 
     def describe(self, head_dim: int | None = None) -> str:
         return (f"{self.tile_m}x{self.tile_n} s{self.kv_stages} {self.consumer_warpgroups} consumer warpgroups"
-                f"{' pingpong' if self.pingpong else ''}{' persistent' if self.persistent else ''}")
+                f"{' pingpong' if self.pingpong else ''}{' persistent' if self.persistent else ''}"
+                f"{' row sums by MMA' if self.row_sum_mma else ''}")
 
 
 def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
