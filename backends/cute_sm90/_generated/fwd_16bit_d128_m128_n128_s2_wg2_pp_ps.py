@@ -11,6 +11,7 @@
 #   persistent = True
 #   pingpong = True
 #   producer_registers = 24
+#   row_sum_mma = False
 #   tile_m = 128
 #   tile_n = 128
 
@@ -50,13 +51,25 @@ FP8 = False  # e4m3 Q, K, V with per-(batch, kv head) descales; V arrives transp
 # FP8: P is computed as 2^8 * softmax so that small probabilities keep precision in e4m3 (FlashAttention-4
 # pre-scales P by 2^8 for FP8); row sums carry the same factor, so O is unchanged and LSE subtracts 8.
 P_EXPONENT_BIAS = 8.0 if FP8 else 0.0
+# Row sums of P by the tensor core: P (already the A operand of P @ V) times an all-ones (ROW_SUM_N, TILE_N)
+# block in shared memory, issued with each P @ V, instead of TILE_N / 2 FADDs per thread per key block in the
+# softmax; each thread gets its rows' whole block sums (no shuffle in the epilogue). The WGMMA starts from zero
+# every block and the running sum stays in fp32 registers: accumulated across blocks in the tensor core, whose
+# FP8 accumulation keeps ~14 bits (DeepSeek-V3, arXiv 2412.19437, section 3.3.2), the positive addends were
+# truncated against the growing sum and the error grew tenfold (H200, session 6 NOTES.md).
+ROW_SUM_MMA = False
+ROW_SUM_N = 8  # the smallest WGMMA N
+ONES_WORD = {"fp8": 0x38383838, "bf16": 0x3F803F80, "fp16": 0x3C003C00}  # 1.0 in every element of a 32-bit word
 THREADS_PER_WG = 128
 SCHEDULER_BARRIER_BASE = 1  # named barriers 1..CONSUMER_WARPGROUPS; 0 is __syncthreads
 
 
 def acc_rows_cols(layout):
-    """WGMMA accumulator ((2 cols, 2 rows, N/8), MMA_M, MMA_N) viewed as (rows, cols)."""
+    """WGMMA accumulator ((2 cols, 2 rows, N/8), MMA_M, MMA_N) viewed as (rows, cols). (With N = 8 the
+    first mode is (2, 2).)"""
     s, d = layout.shape, layout.stride
+    if len(s[0]) == 2:
+        s, d = ((*s[0], 1), *s[1:]), ((*d[0], 0), *d[1:])
     return cute.make_layout(((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
                             stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])))
 
@@ -99,15 +112,17 @@ def cvt_pair(a, b, dtype, *, loc=None, ip=None):
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
-def gemm(tiled_mma, acc, a_frag, b_frag, zero_init):
-    """Issue one warpgroup GEMM over all k-blocks and commit it (does not wait)."""
+def gemm(tiled_mma, acc, a_frag, b_frag, zero_init, commit=True):
+    """Issue one warpgroup GEMM over all k-blocks and commit it (does not wait); commit=False leaves it
+    in the open group, so that the next gemm's commit covers both."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)  # fresh atom: ACCUMULATE is toggled below
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
     for k in range(cute.size(a_frag.shape[2])):
         cute.gemm(atom, acc, a_frag[None, None, k], b_frag[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
+    if commit:
+        warpgroup.commit_group()
 
 
 class Forward:
@@ -188,6 +203,16 @@ class Forward:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sOnes = None
+        if const_expr(ROW_SUM_MMA):  # all ones (any swizzle of it is the same), written before the sync below
+            flat = storage.sOnes.get_tensor(cute.make_layout(ROW_SUM_N * TILE_N))
+            words = cute.recast_tensor(flat, cutlass.Int32)
+            word = ONES_WORD["fp8" if FP8 else ("bf16" if self.dtype is cutlass.BFloat16 else "fp16")]
+            for i in cutlass.range(tidx, cute.size(words), THREADS_PER_WG * (1 + CONSUMER_WARPGROUPS), unroll=1):
+                words[i] = cutlass.Int32(word)
+            cute.arch.fence_view_async_shared()  # visible to WGMMA (the async proxy)
+            ones_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, ROW_SUM_N, TILE_N), self.dtype, 1)
+            sOnes = storage.sOnes.get_tensor(ones_layout.outer, swizzle=ones_layout.inner)
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -230,7 +255,8 @@ class Forward:
                 self.first_turn(cute.arch.make_warp_uniform((tidx - THREADS_PER_WG) // THREADS_PER_WG))
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-            args = (m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, mO, mLSE, mDescale, pipe_q, pipe_k, pipe_v)
+            args = (m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, sOnes, mO, mLSE, mDescale,
+                    pipe_q, pipe_k, pipe_v)
             if const_expr(self.persistent):
                 for tile in cutlass.range(cute.arch.block_idx()[0], tile_count, cute.arch.grid_dim()[0], unroll=1):
                     q_state, kv_state = self.consume_tile(tile, *args, q_state, kv_state, tidx - THREADS_PER_WG,
@@ -252,7 +278,7 @@ class Forward:
         return q_state, kv_state
 
     @cute.jit
-    def consume_tile(self, tile, m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, mO, mLSE, mDescale,
+    def consume_tile(self, tile, m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, sOnes, mO, mLSE, mDescale,
                      pipe_q, pipe_k, pipe_v, q_state, kv_state, tidx, seqlen_q, seqlen_k, scale_log2):
         """The consumers' part of one tile; returns the pipeline states after it."""
         m_block, head, batch = self.tile_coordinates(tile, m_blocks, mQ.shape[2])
@@ -262,7 +288,7 @@ class Forward:
         if const_expr(FP8):  # dequantisation: S scales by q_descale * k_descale, O by v_descale
             scale_log2 = scale_log2 * mDescale[0, batch, head_kv] * mDescale[1, batch, head_kv]
             v_scale = mDescale[2, batch, head_kv]
-        kv_state = self.consume(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mLSE, pipe_q, pipe_k, pipe_v,
+        kv_state = self.consume(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sOnes, mO, mLSE, pipe_q, pipe_k, pipe_v,
                                 q_state, kv_state, tidx, m_block, head, batch, seqlen_q, seqlen_k, n_block_max,
                                 scale_log2, v_scale)
         if const_expr(self.persistent):
@@ -325,7 +351,7 @@ class Forward:
         return kv_state
 
     @cute.jit
-    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mO, mLSE, pipe_q, pipe_k, pipe_v, q_state, kv_state,
+    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sOnes, mO, mLSE, pipe_q, pipe_k, pipe_v, q_state, kv_state,
                 tidx, m_block, head, batch, seqlen_q, seqlen_k, n_block_max, scale_log2, v_scale):
         """One tile: the key-block loop and the epilogue. ``kv_state`` is the next K/V stage to read; returns
         it after the tile's blocks. Q is released once the tile's last Q K^T is done."""
@@ -349,6 +375,14 @@ class Forward:
         row_sum = cute.make_rmem_tensor((rows,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
+        sums = None  # ROW_SUM_MMA: (its tiled MMA, the ones operand, the row-sum accumulator)
+        if const_expr(ROW_SUM_MMA):
+            tiled_mma_sum = sm90.make_trivial_tiled_mma(
+                self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+                Float32, (CONSUMER_WARPGROUPS, 1, 1), (64, ROW_SUM_N), warpgroup.OperandSource.RMEM)
+            wg_sum = tiled_mma_sum.get_slice(wg * THREADS_PER_WG)
+            acc_L = cute.make_rmem_tensor(wg_sum.partition_shape_C((TILE_M, ROW_SUM_N)), Float32)
+            sums = (tiled_mma_sum, wg_sum.make_fragment_B(wg_sum.partition_B(sOnes))[None, None, None, 0], acc_L)
         # which (row, col) of the tile each accumulator element holds
         tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
         tScS = cute.make_tensor(tScS.iterator, acc_rows_cols(tScS.layout))
@@ -382,20 +416,22 @@ class Forward:
                     (m_block * TILE_M + seqlen_k - seqlen_q) // TILE_N, n_block_max - 1), 0)
                 # (a negative numerator divides toward zero; the clamp to 0 makes that harmless)
             for i in cutlass.range(n_block_max - 1 - n_mask_start, unroll=1):
-                state = self.step(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, rP, acc_O, row_max, row_sum,
+                state = self.step(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, rP, acc_O, row_max, row_sum, sums,
                                   pipe_k, pipe_v, state, tScS, m_block, n_block_max - 2 - i, seqlen_q, seqlen_k,
                                   scale_log2, wg, True)
             for i in cutlass.range(n_mask_start, unroll=1):
-                state = self.step(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, rP, acc_O, row_max, row_sum,
+                state = self.step(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, rP, acc_O, row_max, row_sum, sums,
                                   pipe_k, pipe_v, state, tScS, m_block, n_mask_start - 1 - i, seqlen_q, seqlen_k,
                                   scale_log2, wg, False)
             if const_expr(self.persistent):  # the next tile's Q may load: every Q K^T here has completed
                 pipe_q.consumer_release(q_state)
             # last P @ V
             pipe_v.consumer_wait(state)
-            gemm(tiled_mma_pv, acc_O, rP, tOrV[None, None, None, state.index], zero_init=False)
+            self.pv_gemm(tiled_mma_pv, acc_O, rP, tOrV[None, None, None, state.index], sums)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
+            if const_expr(ROW_SUM_MMA):
+                self.add_block_sums(row_sum, sums[2], None)
             if const_expr(self.persistent):
                 state.advance()
                 kv_state = state
@@ -405,7 +441,7 @@ class Forward:
         return kv_state
 
     @cute.jit
-    def step(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, rP, acc_O, row_max, row_sum,
+    def step(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, rP, acc_O, row_max, row_sum, sums,
              pipe_k, pipe_v, state, tScS, m_block, n_block, seqlen_q, seqlen_k, scale_log2, wg,
              masked: cutlass.Constexpr):
         """One key block with intra-warpgroup overlap: issue S = Q K_n^T and O += P_{n+1} V_{n+1},
@@ -419,7 +455,7 @@ class Forward:
         gemm(tiled_mma_qk, acc_S, tSrQ,
              tSrK[None, None, None, state.index], zero_init=True)
         pipe_v.consumer_wait(v_state)
-        gemm(tiled_mma_pv, acc_O, rP, tOrV[None, None, None, v_state.index], zero_init=False)
+        self.pv_gemm(tiled_mma_pv, acc_O, rP, tOrV[None, None, None, v_state.index], sums)
         if const_expr(PINGPONG):
             cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER_BASE + (wg + 1) % CONSUMER_WARPGROUPS,
                                      number_of_threads=2 * THREADS_PER_WG)
@@ -432,7 +468,26 @@ class Forward:
         pipe_v.consumer_release(v_state)
         self.to_p_operand(acc_S, rP)
         self.rescale(acc_O, row_scale)
+        if const_expr(ROW_SUM_MMA):
+            self.add_block_sums(row_sum, sums[2], row_scale)
         return state
+
+    @cute.jit
+    def add_block_sums(self, row_sum, acc_L, row_scale):
+        """ROW_SUM_MMA: add the P @ ones block sums (every column holds a row's sum) to the fp32 running sums,
+        then (row_scale given) move them to the new row max, as the O rescale does."""
+        block_sums = cute.make_tensor(acc_L.iterator, acc_rows_cols(acc_L.layout))
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            if const_expr(row_scale is None):
+                row_sum[r] = row_sum[r] + block_sums[r, 0]
+            else:
+                row_sum[r] = (row_sum[r] + block_sums[r, 0]) * row_scale[r]
+
+    def pv_gemm(self, tiled_mma_pv, acc_O, rP, tOrV, sums):
+        """O += P V, with ROW_SUM_MMA also the row sums += P ones, as one commit group."""
+        gemm(tiled_mma_pv, acc_O, rP, tOrV, zero_init=False, commit=not ROW_SUM_MMA)
+        if const_expr(ROW_SUM_MMA):
+            gemm(sums[0], sums[2], rP, sums[1], zero_init=True)
 
     @cute.jit
     def to_p_operand(self, acc_S, rP):
@@ -478,11 +533,12 @@ class Forward:
             p_offset = max_scaled - P_EXPONENT_BIAS
             for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - p_offset, fastmath=True)
-            block_sum = s[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            if const_expr(first):
-                row_sum[r] = block_sum
-            else:
-                row_sum[r] = row_sum[r] * row_scale[r] + block_sum
+            if const_expr(not ROW_SUM_MMA):
+                block_sum = s[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                if const_expr(first):
+                    row_sum[r] = block_sum
+                else:
+                    row_sum[r] = row_sum[r] * row_scale[r] + block_sum
         return row_scale
 
     @cute.jit
@@ -498,7 +554,9 @@ class Forward:
         o = cute.make_tensor(acc_O.iterator, acc_rows_cols(acc_O.layout))
         lse = cute.make_rmem_tensor_like(row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            total = row_sum[r]
+            if const_expr(not ROW_SUM_MMA):  # each of the row's 4 threads summed a quarter of its columns
+                total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
             # natural-log LSE; -inf for a row that sees no key (its output is 0)
             inv = Float32(0.0)
             lse[r] = -Float32.inf
