@@ -69,7 +69,7 @@ def patch(source: str, trace_m: int, trace_h: int) -> str:
     marks = ["        pipe_k.consumer_wait(state)\n        if const_expr(PINGPONG):",
              "        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32)\n",
              "        pipe_v.consumer_wait(v_state)\n",
-             "        gemm(tiled_mma_pv, acc_O, rP, tOrV[None, None, None, v_state.index], zero_init=False)\n",
+             "        self.pv_gemm(tiled_mma_pv, acc_O, rP, tOrV[None, None, None, v_state.index], sums)\n",
              "        warpgroup.wait_group(1)\n",
              "        pipe_k.consumer_release(state)\n        if const_expr(masked):",
              "        warpgroup.wait_group(0)\n        pipe_v.consumer_release(v_state)\n",

@@ -144,9 +144,17 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     # Session 5, non-causal, persistent vs one CTA per tile (session5/persist_fp8.json), N=1k/4k/16k: d=64
     # 420/573/639 vs 397/562/638; d=128 634/806/854 vs 613/817/881 and d=256 811/1082/1172 vs 800/1104/1176
     # (not persistent).
+    # Session 6 (session6/fp8rs2_*.json, one run; FP8 relative error unchanged at 2.6e-2): row sums by a WGMMA
+    # against ones (row_sum_mma) take ~60 of ~440 instructions per warp and key block out of the softmax.
+    # d=128 192x96 3 warpgroups: N=16k 936/894 (full/causal) vs 885/855 without, N=4k 859/699 vs 814/677;
+    # the 128x128 pick it replaces 887/880, 814/697 (with row_sum_mma 848/869: slower). Persistent 192x96 920
+    # (full, 16k). d=64 persistent 192x128: 683/635, 603/494 vs 638/617, 573/484. d=256: equal (1208 vs 1205),
+    # not taken. 16-bit: slower at every head dim (its tensor time is twice FP8's), not taken.
+    # The d=128 causal kernel keeps 8 bytes on the stack (two values stored before the key-block loops,
+    # reloaded after them: none inside the loops).
     "fp8": {
-        64: [Sm90FwdTile(192, 128, 2, persistent=True, **WG3)],
-        128: [Sm90FwdTile(128, 128, 2, **WG2)],
+        64: [Sm90FwdTile(192, 128, 2, persistent=True, row_sum_mma=True, **WG3)],
+        128: [Sm90FwdTile(192, 96, 2, row_sum_mma=True, accepted_spill_bytes=8, **WG3)],
         256: [Sm90FwdTile(128, 128, 2, accepted_spill_bytes=56, **WG2)],
     },
 }

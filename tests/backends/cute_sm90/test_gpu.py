@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from attnforge.backends.cute_sm90 import variants
 from attnforge.testing import assert_close, needs_gpu, oracle, peer_error
 
 pytestmark = [pytest.mark.gpu, needs_gpu((9, 0), "sm90")]
@@ -78,7 +79,13 @@ def test_fp8_with_descales_matches_fp64_on_the_dequantised_inputs(shape, causal,
     finite = ref_lse.isfinite()
     assert torch.equal(lse[~finite], ref_lse[~finite].float()) and not lse.isnan().any()
     lse_err = (lse.double() - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
-    assert lse_err <= 2 * 2 ** -14 * scale * magnitude.item() + 1e-5, (lse_err, scale * magnitude.item())
+    # With row sums by MMA (variants: row_sum_mma) the LSE is that of the e4m3-rounded P the output is
+    # normalised by, so it may differ from the exact one by the rounding of P's sum: each value within 2^-4
+    # relative (3 mantissa bits), or below e4m3's smallest normal 2^-6 within 2^-10 absolute, against a sum
+    # of at least 2^8 (P is 2^8 at the row max): |log(sum)| change <= -log(1 - 2^-4 - nk * 2^-18).
+    tile, _ = variants.pick("fp8", head_dim)
+    p_rounding = -math.log1p(-(2 ** -4 + nk * 2 ** -18)) if tile.row_sum_mma else 0.0
+    assert lse_err <= 2 * 2 ** -14 * scale * magnitude.item() + 1e-5 + p_rounding, (lse_err, scale * magnitude.item())
     if causal and nq > nk:
         assert (out[:, :, :nq - nk] == 0).all()
 

@@ -11,7 +11,7 @@
 #   persistent = True
 #   pingpong = True
 #   producer_registers = 32
-#   row_sum_mma = False
+#   row_sum_mma = True
 #   tile_m = 192
 #   tile_n = 128
 
@@ -57,7 +57,7 @@ P_EXPONENT_BIAS = 8.0 if FP8 else 0.0
 # every block and the running sum stays in fp32 registers: accumulated across blocks in the tensor core, whose
 # FP8 accumulation keeps ~14 bits (DeepSeek-V3, arXiv 2412.19437, section 3.3.2), the positive addends were
 # truncated against the growing sum and the error grew tenfold (H200, session 6 NOTES.md).
-ROW_SUM_MMA = False
+ROW_SUM_MMA = True
 ROW_SUM_N = 8  # the smallest WGMMA N
 ONES_WORD = {"fp8": 0x38383838, "bf16": 0x3F803F80, "fp16": 0x3C003C00}  # 1.0 in every element of a 32-bit word
 THREADS_PER_WG = 128
@@ -176,6 +176,7 @@ class Forward:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sOnes: cute.struct.Align[cute.struct.MemRange[self.dtype, ROW_SUM_N * TILE_N], 1024]
 
         self.storage = Storage
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
