@@ -29,6 +29,11 @@ case "$1" in
     sweep --kind fp8 --head-dim 64 --seqlen 16384,4096 --causal both --match "$T192_128" \
       --variants persistent,persistent+row_sum_mma --json $OUT/fp8rs2_d64.json
     ;;
+  fp8rs3)  # FP8 d=128 with row_sum_mma: the picked 192x96 beside its neighbours (pingpong off, 3 stages, 128x192)
+    sweep --kind fp8 --head-dim 128 --seqlen 16384,4096 --causal both \
+      --match "$T192_96,=192x96 s2 3 consumer warpgroups,=192x96 s3 3 consumer warpgroups pingpong,=128x192 s2 2 consumer warpgroups pingpong,=128x128 s2 2 consumer warpgroups" \
+      --variants row_sum_mma --json $OUT/fp8rs3_d128.json
+    ;;
   b16rs)  # the same for 16-bit (bf16)
     sweep --kind 16bit --head-dim 128 --seqlen 16384,4096 --causal full --match "$T128" \
       --variants persistent,persistent+row_sum_mma --json $OUT/b16rs_d128_persistent.json
