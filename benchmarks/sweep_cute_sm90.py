@@ -90,8 +90,12 @@ def measure(tile, head_dim, args, folder, causals, ctas) -> list[dict]:
 
 
 def variants_of(tile: Sm90FwdTile, spec: str) -> list[Sm90FwdTile]:
-    """The tile with each '+'-joined set of boolean fields in ``spec`` switched on ('base': as it is)."""
-    return [dataclasses.replace(tile, **{f: True for f in flags.split("+") if f != "base"})
+    """The tile with each '+'-joined set of fields in ``spec`` set: a name switches a flag on, name=x sets
+    a number ('base': as it is)."""
+    def value(flag):
+        name, _, number = flag.partition("=")
+        return name, float(number) if number else True
+    return [dataclasses.replace(tile, **dict(value(f) for f in flags.split("+") if f != "base"))
             for flags in spec.split(",")]
 
 

@@ -34,6 +34,13 @@ case "$1" in
       --match "$T192_96,=192x96 s2 3 consumer warpgroups,=192x96 s3 3 consumer warpgroups pingpong,=128x192 s2 2 consumer warpgroups pingpong,=128x128 s2 2 consumer warpgroups" \
       --variants row_sum_mma --json $OUT/fp8rs3_d128.json
     ;;
+  thresh)  # FP8 d=128 and d=64 picks with the conditional rescale (threshold 0.8 in log2 units), same run.
+    # Ran with rescale_threshold_experiment.diff applied (slower: not kept in the package).
+    sweep --kind fp8 --head-dim 128 --seqlen 16384,4096 --causal both --match "$T192_96" \
+      --variants row_sum_mma,row_sum_mma+rescale_threshold=0.8 --json $OUT/thresh_d128.json
+    sweep --kind fp8 --head-dim 64 --seqlen 16384,4096 --causal full --match "$T192_128" \
+      --variants persistent+row_sum_mma,persistent+row_sum_mma+rescale_threshold=0.8 --json $OUT/thresh_d64.json
+    ;;
   b16rs)  # the same for 16-bit (bf16)
     sweep --kind 16bit --head-dim 128 --seqlen 16384,4096 --causal full --match "$T128" \
       --variants persistent,persistent+row_sum_mma --json $OUT/b16rs_d128_persistent.json
@@ -50,5 +57,8 @@ case "$1" in
     ;;
   cudnn)  # carry .gpu-cudnn: the FP8 picks beside cuDNN's FP8, same run
     python3 benchmarks/bench_fp8.py --head-dim 128,64,256 --seqlen 16384,4096 --json $OUT/fp8.json 2>&1 | grep -v Warning
+    ;;
+  cudnn_d128)  # the last call: d=128 again beside cuDNN, a second sample
+    python3 benchmarks/bench_fp8.py --head-dim 128 --seqlen 16384,4096 --json $OUT/fp8_second.json 2>&1 | grep -v Warning
     ;;
 esac
