@@ -53,7 +53,7 @@ class Sm90FwdTile:
 
     def smem_bytes(self, head_dim: int, kind: str = "16bit") -> int:
         tiles = self.tile_m * head_dim + 2 * self.kv_stages * self.tile_n * head_dim  # Q, K and V stages
-        ones = 8 * self.tile_n + 1024 if self.row_sum_mma else 0  # the all-ones block, 1024-aligned
+        ones = ELEMENT_BYTES[kind] * 8 * self.tile_n + 1024 if self.row_sum_mma else 0  # all-ones block, 1024-aligned
         return ELEMENT_BYTES[kind] * tiles + ones + 8 * (2 + 4 * self.kv_stages) + 1024  # mbarriers, alignment
 
     def registers_needed(self, head_dim: int, kind: str = "16bit") -> int:

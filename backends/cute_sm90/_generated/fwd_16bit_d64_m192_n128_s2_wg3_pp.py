@@ -212,6 +212,7 @@ class Forward:
                 words[i] = cutlass.Int32(word)
             cute.arch.fence_view_async_shared()  # visible to WGMMA (the async proxy)
             ones_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, ROW_SUM_N, TILE_N), self.dtype, 1)
+            assert cute.cosize(ones_layout) == ROW_SUM_N * TILE_N, "the ones block's swizzled layout outgrew sOnes"
             sOnes = storage.sOnes.get_tensor(ones_layout.outer, swizzle=ones_layout.inner)
 
         if warp_idx == 0:
