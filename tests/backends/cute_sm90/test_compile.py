@@ -34,6 +34,8 @@ def test_variant_compiles_for_sm90a_with_wgmma_and_tma(tmp_path, kind, head_dim,
     element, k = {"fp16": ("", 16), "bf16": (r"\.BF16", 16), "fp8": (r"\.E4M3\.E4M3", 32)}[dtype]
     assert re.search(rf"{mma}\.64x{tile.tile_n}x{k}\.F32{element}\s", sass)  # S = Q K^T, one key block
     assert re.search(rf"{mma}\.64x{head_dim}x{k}\.F32{element}\s", sass)  # O += P V
+    # row sums of P by the tensor core (P times ones, N = 8) exactly where the table asks for them
+    assert bool(re.search(rf"{mma}\.64x8x{k}\.F32{element}\s", sass)) == tile.row_sum_mma
     # ptxas serializes WGMMAs it cannot keep in flight (C7512-C7514: registers, accumulators touched
     # mid-flight): a serialized kernel waits after every WGMMA, as many waits as WGMMAs
     mmas, waits = len(re.findall(r"\b[HQ]GMMA\.", sass)), len(re.findall(r"WARPGROUP\.DEPBAR", sass))
