@@ -150,6 +150,8 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     # the 128x128 pick it replaces 887/880, 814/697 (with row_sum_mma 848/869: slower). Persistent 192x96 920
     # (full, 16k). d=64 persistent 192x128: 683/635, 603/494 vs 638/617, 573/484. d=256: equal (1208 vs 1205),
     # not taken. 16-bit: slower at every head dim (its tensor time is twice FP8's), not taken.
+    # FlashAttention-4's conditional rescale (stale max kept within 0.8 log2 units, warp vote to skip O's
+    # rescale) on top: slower (session6/thresh_d128.json: 920 vs 958 at d=128, 671 vs 685 at d=64).
     # The d=128 causal kernel keeps 8 bytes on the stack (two values stored before the key-block loops,
     # reloaded after them: none inside the loops).
     "fp8": {
