@@ -108,9 +108,8 @@ def main() -> None:
     p.add_argument("--causal", default="both", choices=("both", "full", "causal"))
     p.add_argument("--match", default="", help="only tiles whose description contains one of these (comma-separated; "
                    "=description: exactly that one)")
-    p.add_argument("--also-persistent", action="store_true", help="also each tile with persistent=True")
-    p.add_argument("--variants", default="", help="each tile as given ('base') and/or with these flags set, e.g. "
-                   "'base,row_sum_mma,persistent+row_sum_mma' (comma-separated; '+' joins flags)")
+    p.add_argument("--variants", default="base", help="each tile as given ('base') and/or with these flags set, "
+                   "e.g. 'base,persistent+row_sum_mma,row_sum_mma+rescale_threshold=0.8' (comma-separated; '+' joins)")
     args = p.parse_args()
     results = []
     folder = pathlib.Path(tempfile.mkdtemp(prefix="cute_sm90_sweep_"))
@@ -121,7 +120,7 @@ def main() -> None:
             if args.match and not any(tile.describe() == m[1:] if m.startswith("=") else m in tile.describe()
                                       for m in args.match.split(",")):
                 continue
-            for variant in variants_of(tile, args.variants or ("base,persistent" if args.also_persistent else "base")):
+            for variant in variants_of(tile, args.variants):
                 results += measure(variant, head_dim, args, folder, causals, ctas)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),

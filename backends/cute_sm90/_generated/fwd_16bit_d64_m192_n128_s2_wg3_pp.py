@@ -22,6 +22,7 @@ order, head_dim contiguous. Causal aligns bottom-right; a row that sees no key g
 """
 
 import math
+import typing
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -59,9 +60,17 @@ P_EXPONENT_BIAS = 8.0 if FP8 else 0.0
 # truncated against the growing sum and the error grew tenfold (H200, session 6 NOTES.md).
 ROW_SUM_MMA = False
 ROW_SUM_N = 8  # the smallest WGMMA N
-ONES_WORD = {"fp8": 0x38383838, "bf16": 0x3F803F80, "fp16": 0x3C003C00}  # 1.0 in every element of a 32-bit word
+# 1.0 in every element of a 32-bit word, per input element type
+ONES_WORD = {cutlass.Float8E4M3FN: 0x38383838, cutlass.BFloat16: 0x3F803F80, cutlass.Float16: 0x3C003C00}
 THREADS_PER_WG = 128
 SCHEDULER_BARRIER_BASE = 1  # named barriers 1..CONSUMER_WARPGROUPS; 0 is __syncthreads
+
+
+class RowSums(typing.NamedTuple):
+    """ROW_SUM_MMA's per-warpgroup state: the P @ ones MMA, its ones operand (shared memory) and the block sums."""
+    tiled_mma: cute.TiledMma
+    ones: cute.Tensor
+    block_sums: cute.Tensor
 
 
 def acc_rows_cols(layout):
@@ -207,9 +216,8 @@ class Forward:
         if const_expr(ROW_SUM_MMA):  # all ones (any swizzle of it is the same), written before the sync below
             flat = storage.sOnes.get_tensor(cute.make_layout(ROW_SUM_N * TILE_N))
             words = cute.recast_tensor(flat, cutlass.Int32)
-            word = ONES_WORD["fp8" if FP8 else ("bf16" if self.dtype is cutlass.BFloat16 else "fp16")]
             for i in cutlass.range(tidx, cute.size(words), THREADS_PER_WG * (1 + CONSUMER_WARPGROUPS), unroll=1):
-                words[i] = cutlass.Int32(word)
+                words[i] = cutlass.Int32(ONES_WORD[self.dtype])
             cute.arch.fence_view_async_shared()  # visible to WGMMA (the async proxy)
             ones_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, ROW_SUM_N, TILE_N), self.dtype, 1)
             assert cute.cosize(ones_layout) == ROW_SUM_N * TILE_N, "the ones block's swizzled layout outgrew sOnes"
@@ -376,14 +384,14 @@ class Forward:
         row_sum = cute.make_rmem_tensor((rows,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        sums = None  # ROW_SUM_MMA: (its tiled MMA, the ones operand, the row-sum accumulator)
+        sums = None  # RowSums with ROW_SUM_MMA
         if const_expr(ROW_SUM_MMA):
             tiled_mma_sum = sm90.make_trivial_tiled_mma(
                 self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
                 Float32, (CONSUMER_WARPGROUPS, 1, 1), (64, ROW_SUM_N), warpgroup.OperandSource.RMEM)
             wg_sum = tiled_mma_sum.get_slice(wg * THREADS_PER_WG)
-            acc_L = cute.make_rmem_tensor(wg_sum.partition_shape_C((TILE_M, ROW_SUM_N)), Float32)
-            sums = (tiled_mma_sum, wg_sum.make_fragment_B(wg_sum.partition_B(sOnes))[None, None, None, 0], acc_L)
+            sums = RowSums(tiled_mma_sum, wg_sum.make_fragment_B(wg_sum.partition_B(sOnes))[None, None, None, 0],
+                           cute.make_rmem_tensor(wg_sum.partition_shape_C((TILE_M, ROW_SUM_N)), Float32))
         # which (row, col) of the tile each accumulator element holds
         tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
         tScS = cute.make_tensor(tScS.iterator, acc_rows_cols(tScS.layout))
@@ -432,7 +440,7 @@ class Forward:
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
             if const_expr(ROW_SUM_MMA):
-                self.add_block_sums(row_sum, sums[2], None)
+                self.add_block_sums(row_sum, sums.block_sums, None)
             if const_expr(self.persistent):
                 state.advance()
                 kv_state = state
@@ -470,7 +478,7 @@ class Forward:
         self.to_p_operand(acc_S, rP)
         self.rescale(acc_O, row_scale)
         if const_expr(ROW_SUM_MMA):
-            self.add_block_sums(row_sum, sums[2], row_scale)
+            self.add_block_sums(row_sum, sums.block_sums, row_scale)
         return state
 
     @cute.jit
@@ -488,7 +496,7 @@ class Forward:
         """O += P V, with ROW_SUM_MMA also the row sums += P ones, as one commit group."""
         gemm(tiled_mma_pv, acc_O, rP, tOrV, zero_init=False, commit=not ROW_SUM_MMA)
         if const_expr(ROW_SUM_MMA):
-            gemm(sums[0], sums[2], rP, sums[1], zero_init=True)
+            gemm(sums.tiled_mma, sums.block_sums, rP, sums.ones, zero_init=True)
 
     @cute.jit
     def to_p_operand(self, acc_S, rP):

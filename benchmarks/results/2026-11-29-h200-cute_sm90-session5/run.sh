@@ -3,6 +3,7 @@
 # (carry .gpu, or .gpu-cudnn for step cudnn; writes into $OUT). Each step is one device call. Steps poly
 # and pin_fp8 ran with the knobs of template_experiments.jinja.txt / variants_experiments.py.txt (and the
 # sweep's candidates and --also-pinned of that moment), which are not in the package.
+# (Step persist ran with --also-persistent, since replaced by its equivalent --variants base,persistent.)
 set -uo pipefail
 for f in .gpu/setup.sh .gpu-cudnn/setup.sh; do [ -f $f ] && source $f; done
 mkdir -p /tmp/af && ln -sfn "$PWD" /tmp/af/attnforge
@@ -45,9 +46,9 @@ case "$1" in
   persist)  # the picks with and without the persistent tile loop (non-causal only), N 1k/4k/16k
     m="=128x128 s2 2 consumer warpgroups pingpong,=192x128 s2 3 consumer warpgroups pingpong,=128x64 s2 2 consumer warpgroups pingpong"
     python3 benchmarks/sweep_cute_sm90.py --kind 16bit --head-dim 128,64,256 --seqlen 1024,4096,16384 --causal full \
-      --also-persistent --match "$m" --json $OUT/persist_16bit.json 2>&1 | grep -v Warning
+      --variants base,persistent --match "$m" --json $OUT/persist_16bit.json 2>&1 | grep -v Warning
     python3 benchmarks/sweep_cute_sm90.py --kind fp8 --head-dim 128,64,256 --seqlen 1024,4096,16384 --causal full \
-      --also-persistent --match "$m" --json $OUT/persist_fp8.json 2>&1 | grep -v Warning
+      --variants base,persistent --match "$m" --json $OUT/persist_fp8.json 2>&1 | grep -v Warning
     ;;
   tests)  # the GPU suite on the picked kernels
     python3 -m pytest tests/backends/cute_sm90 tests/test_api.py -q -p no:cacheprovider -x \
