@@ -21,7 +21,8 @@ import triton.testing
 
 import attnforge
 from attnforge.backends.cute_sm90 import compile as cc
-from attnforge.backends.cute_sm90.backend import max_ctas
+from attnforge.backends.cute_sm90 import tail_split
+from attnforge.backends.cute_sm90.backend import run_kernel
 from attnforge.backends.cute_sm90 import v_layout
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.bench.measure import flops
@@ -87,14 +88,22 @@ def main() -> None:
                          lambda: attnforge.attention(q8, k8, v8, causal=causal, backend="cute_sm90"),
                          "cute_sm90 bf16 (attention())":
                          lambda: attnforge.attention(qb, kb, vb, causal=causal, backend="cute_sm90")}
-                kernel = cc.compiled(registered()["cute_sm90"].module(torch.float8_e4m3fn, head_dim), "fp8", causal)
+                backend = registered()["cute_sm90"]
+                kernel = cc.compiled(backend.module(torch.float8_e4m3fn, head_dim), "fp8", causal)
+                tile = backend.tile(torch.float8_e4m3fn, head_dim)
                 v_t = prepare_v_fp8(v8)
                 out = torch.empty(q8.shape, dtype=torch.bfloat16, device="cuda")
                 lse = torch.empty(q8.shape[:3], device="cuda")
                 descale = torch.ones(3, b, h, device="cuda")
-                impls["cute_sm90 fp8 kernel only"] = lambda: kernel(q8, k8, v_t, out, lse, descale,
-                                                                    head_dim ** -0.5 * math.log2(math.e),
-                                                                    max_ctas(q8.device)) or out
+                scale_log2 = head_dim ** -0.5 * math.log2(math.e)
+                # the kernel (with a tail split, its pieces' combine too: part of its work), no V^T
+                impls["cute_sm90 fp8 kernel only"] = lambda: (run_kernel(
+                    kernel, tile, q8, k8, v_t, out, lse, scale_log2, causal=causal, descale=descale), out)[1]
+                if tile.tail_split and not causal:  # the same kernel with every tile whole: the split's A/B
+                    whole = tail_split.whole(-(-n // tile.tile_m) * h * b)
+                    impls["cute_sm90 fp8 kernel, no split"] = lambda: (run_kernel(
+                        kernel, tile, q8, k8, v_t, out, lse, scale_log2, causal=causal, descale=descale,
+                        plan=whole), out)[1]
                 if not causal:  # V's layout does not depend on the mask: timed once per shape
                     impls["V^T key permutation alone"] = lambda: prepare_v_fp8(v8)
                     impls["V^T, torch strided copy"] = lambda: v_layout.prepare_v_fp8_torch(v8)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from attnforge.backends.cute_sm90 import compile as cc
-from attnforge.backends.cute_sm90.backend import max_ctas
+from attnforge.backends.cute_sm90.backend import max_ctas, run_kernel
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.bench.measure import flops
 from attnforge.dispatch import registered
@@ -84,8 +84,11 @@ def main() -> None:
         fp8 = cc.compiled(backend.module(torch.float8_e4m3fn, d), "fp8", causal)
         bf16 = cc.compiled(backend.module(torch.bfloat16, d), "bf16", causal)
         vt, descale = prepare_v_fp8(v8), torch.ones(3, b, h, device="cuda")
-        runners = {"cute_sm90 fp8 (kernel)": lambda: fp8(q8, k8, vt, out, lse, descale, scale_log2, ctas),  # noqa: B023
-                   "cute_sm90 bf16 (kernel)": lambda: bf16(q, k, v, out, lse, scale_log2, ctas),  # noqa: B023
+        tiles = (backend.tile(torch.float8_e4m3fn, d), backend.tile(torch.bfloat16, d))
+        runners = {"cute_sm90 fp8 (kernel)": lambda: run_kernel(  # noqa: B023
+                       fp8, tiles[0], q8, k8, vt, out, lse, scale_log2, causal=causal, descale=descale, ctas=ctas),  # noqa: B023
+                   "cute_sm90 bf16 (kernel)": lambda: run_kernel(  # noqa: B023
+                       bf16, tiles[1], q, k, v, out, lse, scale_log2, causal=causal, ctas=ctas),  # noqa: B023
                    "cudnn fp8": cudnn_fp8(q8, k8, v8, causal)}
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
             runners["cudnn bf16 (sdpa)"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: B023

@@ -20,7 +20,7 @@ import torch
 import triton.testing
 
 from attnforge.backends.cute_sm90 import compile as cc
-from attnforge.backends.cute_sm90.backend import max_ctas
+from attnforge.backends.cute_sm90.backend import max_ctas, run_kernel
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.backends.cute_sm90.variants import WG2, WG3, Sm90FwdTile, check
 from attnforge.bench.measure import flops
@@ -72,9 +72,11 @@ def measure(tile, head_dim, args, folder, causals, ctas) -> list[dict]:
             lse = torch.empty(q.shape[:3], device="cuda")
             scale_log2 = head_dim ** -0.5 * math.log2(math.e)
             if fp8:
-                run = lambda: kernels[causal](q, k, extra[0], out, lse, extra[1], scale_log2, ctas)  # noqa: E731
+                run = lambda: run_kernel(kernels[causal], tile, q, k, extra[0], out, lse, scale_log2,  # noqa: E731
+                                         causal=causal, descale=extra[1], ctas=ctas)
             else:
-                run = lambda: kernels[causal](q, k, v, out, lse, scale_log2, ctas)  # noqa: E731
+                run = lambda: run_kernel(kernels[causal], tile, q, k, v, out, lse, scale_log2,  # noqa: E731
+                                         causal=causal, ctas=ctas)
             run()
             ref = torch.nn.functional.scaled_dot_product_attention(
                 q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), is_causal=causal)

@@ -83,8 +83,9 @@ def patch(source: str, trace_m: int, trace_h: int) -> str:
         f"            mLSE[trace_base + n_block * {EVENTS} + event, 0, 0] = Float32(cute.arch.clock() - t0)\n\n"
         "    @cute.jit\n    def to_p_operand(")
     # the producer (one thread): its own base after the consumer warpgroups'
-    sub("batch, n_block_max)\n", "batch, n_block_max, mLSE)\n")
-    sub("             m_block, head, head_kv, batch, n_block_max):\n", "             m_block, head, head_kv, batch, n_block_max, mLSE):\n")
+    sub("batch, n_block_min, n_block_max)\n", "batch, n_block_min, n_block_max, mLSE)\n")
+    sub("             m_block, head, head_kv, batch, n_block_min, n_block_max):\n",
+        "             m_block, head, head_kv, batch, n_block_min, n_block_max, mLSE):\n")
     loads = '        """One tile\'s TMA loads: Q, then K and V block by block; returns the K/V pipeline state after them."""\n'
     sub(loads, loads + _trace_start(trace_m, trace_h, "True", str(PRODUCER_BASE)))
     for text, event in (("            pipe_k.producer_acquire(kv_state)\n", 0), ("            pipe_v.producer_acquire(kv_state)\n", 2)):

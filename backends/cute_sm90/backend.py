@@ -18,7 +18,7 @@ from ...dispatch.registry import Backend
 from ...dispatch.support import Support
 from ..inputs import nonnegative_scale
 from . import compile as cc
-from . import variants
+from . import tail_split, variants
 from .v_layout import prepare_v_fp8
 
 
@@ -39,6 +39,29 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
             t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))):
         return t
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2: float, *, causal: bool,
+               descale=None, ctas: int | None = None, plan: tail_split.Plan | None = None) -> tail_split.Plan | None:
+    """Call a compiled kernel of ``tile`` with the arguments its signature takes: ``v`` as the kernel reads it
+    (FP8: prepare_v_fp8's V^T), ``descale`` (3, batch, heads_kv) for FP8; ``ctas`` for a persistent kernel
+    (default: the SM count). With ``tile.tail_split`` and no causal mask, ``plan`` (default:
+    tail_split.plan for this shape) says which tiles run as pieces; their combine runs after the kernel.
+    Returns the plan that ran (None: the kernel takes none)."""
+    ctas = max_ctas(q.device) if ctas is None else ctas
+    head = (q, k, v, out, lse) if descale is None else (q, k, v, out, lse, descale)
+    if not tile.tail_split:
+        kernel(*head, scale_log2, ctas)
+        return None
+    b, h, n_q, d = q.shape
+    tiles = -(-n_q // tile.tile_m) * h * b
+    if plan is None:
+        plan = tail_split.whole(tiles) if causal else tail_split.plan(tiles, -(-k.shape[2] // tile.tile_n), ctas)
+    o_part, lse_part = tail_split.workspaces(plan, tile.tile_m, d, q.device)
+    kernel(*head, scale_log2, ctas, o_part, lse_part, plan.full_tiles, plan.pieces)
+    if plan.pieces > 1 and plan.tail_tiles:
+        tail_split.combine(plan, o_part, lse_part, out, lse, tile.tile_m)
+    return plan
 
 
 @functools.lru_cache(maxsize=256)
@@ -105,18 +128,24 @@ class CuteSm90Backend(Backend):
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
-    def module(dtype: torch.dtype, head_dim: int) -> str:
-        """The generated module of the picked variant (cached: forward() runs on every call)."""
-        kind = cc.KIND[_DTYPE_NAME[dtype]]
-        tile, reasons = variants.pick(kind, head_dim)
+    def tile(dtype: torch.dtype, head_dim: int) -> variants.Sm90FwdTile:
+        """The picked variant (cached: forward() runs on every call)."""
+        tile, reasons = variants.pick(cc.KIND[_DTYPE_NAME[dtype]], head_dim)
         if tile is None:  # supports() said so first; this guards direct calls
             raise RuntimeError("; ".join(reasons))
-        return tile.module(head_dim, kind)
+        return tile
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def module(dtype: torch.dtype, head_dim: int) -> str:
+        """The generated module of the picked variant."""
+        return CuteSm90Backend.tile(dtype, head_dim).module(head_dim, cc.KIND[_DTYPE_NAME[dtype]])
 
     def forward(self, q, k, v, *, causal, scale, dropout_p, descale=None, **mask):
         q, scale = nonnegative_scale(q, scale)
         q, k = _tma_ready(q), _tma_ready(k)
         dtype = _DTYPE_NAME[q.dtype]
+        tile = self.tile(q.dtype, q.shape[-1])
         kernel = cc.compiled(self.module(q.dtype, q.shape[-1]), dtype, causal)
         lse = torch.empty_like(_lse_prototype(q.shape[:3], q.device))
         scale_log2 = scale * LOG2_E
@@ -124,8 +153,8 @@ class CuteSm90Backend(Backend):
             out = torch.empty_like(q, dtype=torch.bfloat16)
             if descale is None:
                 descale = torch.ones(3, k.shape[0], k.shape[1], dtype=torch.float32, device=q.device)
-            kernel(q, k, prepare_v_fp8(v), out, lse, descale, scale_log2, max_ctas(q.device))
+            run_kernel(kernel, tile, q, k, prepare_v_fp8(v), out, lse, scale_log2, causal=causal, descale=descale)
         else:
             out = torch.empty_like(q)  # q's strides when q is dense, else contiguous: TMA-ready either way
-            kernel(q, k, _tma_ready(v), out, lse, scale_log2, max_ctas(q.device))
+            run_kernel(kernel, tile, q, k, _tma_ready(v), out, lse, scale_log2, causal=causal)
         return out, lse

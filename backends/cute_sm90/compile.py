@@ -68,12 +68,14 @@ def elements(dtype: str, arch: str = ARCH):
     return element, (cutlass.BFloat16 if dtype == "fp8" else element)
 
 
-def fake_arguments(dtype: str, head_dim: int, arch: str = ARCH, takes_max_ctas: bool = False):
+def fake_arguments(dtype: str, head_dim: int, arch: str = ARCH, takes_max_ctas: bool = False,
+                   tail_split: bool = False):
     """Fake arguments for cute.compile: q, k, v, out (batch, heads, seqlen, head_dim) with symbolic sizes
     and strides (16-byte aligned rows, as TMA needs), fp32 LSE (batch, heads, seqlen), then for FP8
     the descales (3, batch, heads_kv) in fp32, then scale_log2, with ``takes_max_ctas`` the Int32 CTA count a
-    persistent kernel may launch (cute_sm90's take it; pass the SM count), and the stream. FP8's v is V^T
-    (batch, heads_kv, head_dim, seqlen_k padded to 32): see v_layout.py."""
+    persistent kernel may launch (cute_sm90's take it; pass the SM count), with ``tail_split`` the pieces'
+    fp32 workspaces (pieces, tile_m, head_dim) and (pieces, tile_m) and two Int32 counts (see tail_split.py),
+    and the stream. FP8's v is V^T (batch, heads_kv, head_dim, seqlen_k padded to 32): see v_layout.py."""
     cutlass = import_cutlass(arch)
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -90,7 +92,14 @@ def fake_arguments(dtype: str, head_dim: int, arch: str = ARCH, takes_max_ctas: 
     q, k = tensor(element, batch, heads_q, seqlen_q, head_dim), tensor(element, batch, heads_kv, seqlen_k, head_dim)
     out = tensor(out_element, batch, heads_q, seqlen_q, head_dim)
     max_ctas = (cutlass.Int32(1),) if takes_max_ctas else ()
-    tail = (cutlass.Float32(1.0), *max_ctas, make_fake_stream(use_tvm_ffi_env_stream=True))
+    split = ()
+    if tail_split:
+        pieces, rows = cute.sym_int32(), cute.sym_int32()
+        split = (make_fake_tensor(cutlass.Float32, (pieces, rows, head_dim), (cute.sym_int64(divisibility=4), head_dim, 1),
+                                  assumed_align=16),
+                 make_fake_tensor(cutlass.Float32, (pieces, rows), (cute.sym_int64(), 1), assumed_align=4),
+                 cutlass.Int32(1), cutlass.Int32(1))
+    tail = (cutlass.Float32(1.0), *max_ctas, *split, make_fake_stream(use_tvm_ffi_env_stream=True))
     if dtype != "fp8":
         return (q, k, tensor(element, batch, heads_kv, seqlen_k, head_dim), out, lse, *tail)
     v_t = tensor(element, batch, heads_kv, head_dim, seqlen_v)
@@ -164,8 +173,8 @@ class Target:
         if dump_dir:
             os.makedirs(dump_dir, exist_ok=True)  # the DSL writes nothing, silently, into a missing directory
             options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
-        args = fake_arguments(dtype, mod.HEAD_DIM, self.arch,
-                              takes_max_ctas=getattr(mod, "MAX_CTAS_ARGUMENT", False))
+        args = fake_arguments(dtype, mod.HEAD_DIM, self.arch, takes_max_ctas=getattr(mod, "MAX_CTAS_ARGUMENT", False),
+                              tail_split=getattr(mod, "TAIL_SPLIT", False))
         return cute.compile(mod.Forward(element, out_element, causal), *args, options=options)
 
     def _in_child(self, call: str) -> None:

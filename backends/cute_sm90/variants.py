@@ -38,6 +38,9 @@ class Sm90FwdTile:
     persistent: bool = False
     # row sums of P by a small WGMMA against an all-ones block (ROW_SUM_MMA in the template) instead of FADDs
     row_sum_mma: bool = False
+    # without causal masking or PERSISTENT: a part-filled last wave's tiles may run as key-range pieces that a
+    # second kernel combines (TAIL_SPLIT in the template; tail_split.py plans it per call)
+    tail_split: bool = False
     cluster: tuple[int, int] = (1, 1)
     # Register spill (stack bytes, ptxas) accepted because the tile measured faster all the same; the
     # compile tests fail on any spill above it.
@@ -46,7 +49,7 @@ class Sm90FwdTile:
     def module(self, head_dim: int, kind: str = "16bit") -> str:
         return (f"fwd_{kind}_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.kv_stages}"
                 f"_wg{self.consumer_warpgroups}{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
-                f"{'_rs' if self.row_sum_mma else ''}")
+                f"{'_rs' if self.row_sum_mma else ''}{'_ts' if self.tail_split else ''}")
 
     def params(self, head_dim: int, kind: str = "16bit") -> dict:
         return {**dataclasses.asdict(self), "head_dim": head_dim, "kind": kind}
@@ -65,7 +68,7 @@ class Sm90FwdTile:
     def describe(self, head_dim: int | None = None) -> str:
         return (f"{self.tile_m}x{self.tile_n} s{self.kv_stages} {self.consumer_warpgroups} consumer warpgroups"
                 f"{' pingpong' if self.pingpong else ''}{' persistent' if self.persistent else ''}"
-                f"{' row sums by MMA' if self.row_sum_mma else ''}")
+                f"{' row sums by MMA' if self.row_sum_mma else ''}{' tail split' if self.tail_split else ''}")
 
 
 def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
@@ -87,6 +90,8 @@ def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
         reasons.append(f"{name}: needs at least one K/V stage")
     if tile.pingpong and tile.consumer_warpgroups < 2:
         reasons.append(f"{name}: pingpong needs two or more consumer warpgroups")
+    if tile.tail_split and tile.persistent:
+        reasons.append(f"{name}: tail_split is for one CTA per tile (a persistent kernel balances its own tiles)")
     if tile.cluster != (1, 1):
         reasons.append(f"{name}: thread-block clusters are not implemented (cluster {tile.cluster})")
     if tile.smem_bytes(head_dim, kind) > SMEM_BYTES:
@@ -156,7 +161,7 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     # reloaded after them: none inside the loops).
     "fp8": {
         64: [Sm90FwdTile(192, 128, 2, persistent=True, row_sum_mma=True, **WG3)],
-        128: [Sm90FwdTile(192, 96, 2, row_sum_mma=True, accepted_spill_bytes=8, **WG3)],
+        128: [Sm90FwdTile(192, 96, 2, row_sum_mma=True, tail_split=True, accepted_spill_bytes=8, **WG3)],
         256: [Sm90FwdTile(128, 128, 2, accepted_spill_bytes=56, **WG2)],
     },
 }

@@ -12,6 +12,7 @@
 #   pingpong = True
 #   producer_registers = 32
 #   row_sum_mma = True
+#   tail_split = False
 #   tile_m = 192
 #   tile_n = 128
 
@@ -48,6 +49,13 @@ PINGPONG = True  # the consumer warpgroups take turns issuing GEMMs (named barri
 # Causal keeps one CTA per tile, heaviest first (its tiles differ in length; a static split would not balance).
 PERSISTENT = True
 MAX_CTAS_ARGUMENT = True  # __call__ takes max_ctas (pass the SM count) after scale_log2, used when persistent
+# Without causal masking and without PERSISTENT: the tiles of a part-filled last wave may run as key-range pieces
+# (backends/cute_sm90/tail_split.py plans them). __call__ then also takes, after max_ctas, fp32 workspaces for the
+# pieces' normalised outputs (pieces, TILE_M, HEAD_DIM) and LSEs (pieces, TILE_M), the number of tiles that run
+# whole and the pieces per tail tile. CTA i < full_tiles runs tile i whole; CTA full_tiles + j runs piece
+# j % pieces of tile full_tiles + j // pieces and writes its slot j of the workspaces, which a second kernel
+# combines (tail_split_kernel.py). With full_tiles = tiles every tile runs whole and the workspaces are unused.
+TAIL_SPLIT = False
 FP8 = True  # e4m3 Q, K, V with per-(batch, kv head) descales; V arrives transposed (see below)
 # FP8: P is computed as 2^8 * softmax so that small probabilities keep precision in e4m3 (FlashAttention-4
 # pre-scales P by 2^8 for FP8); row sums carry the same factor, so O is unchanged and LSE subtracts 8.
@@ -64,6 +72,14 @@ ROW_SUM_N = 8  # the smallest WGMMA N
 ONES_WORD = {cutlass.Float8E4M3FN: 0x38383838, cutlass.BFloat16: 0x3F803F80, cutlass.Float16: 0x3C003C00}
 THREADS_PER_WG = 128
 SCHEDULER_BARRIER_BASE = 1  # named barriers 1..CONSUMER_WARPGROUPS; 0 is __syncthreads
+
+
+class Split(typing.NamedTuple):
+    """TAIL_SPLIT's arguments (see there): the pieces' output and LSE workspaces, whole tiles, pieces per tail tile."""
+    o_part: cute.Tensor
+    lse_part: cute.Tensor
+    full_tiles: cutlass.Int32
+    pieces: cutlass.Int32
 
 
 class RowSums(typing.NamedTuple):
@@ -144,11 +160,13 @@ class Forward:
         self.out_dtype = out_dtype
         self.causal = causal
         self.persistent = PERSISTENT and not causal
+        self.split = TAIL_SPLIT and not PERSISTENT and not causal
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mDescale: cute.Tensor, scale_log2: Float32, max_ctas: cutlass.Int32,
                  stream: cuda.CUstream):
+        mOPart, mLSEPart, full_tiles, pieces = None, None, None, None
         # torch order (b, h, s, d) -> (s, d, h, b); LSE (b, h, s) -> (s, h, b); FP8 V^T (b, h, d, s) -> (d, s, h, b)
         mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
                           for t in (mQ, mK, mV, mO)]
@@ -193,8 +211,12 @@ class Forward:
         grid = (cute.ceil_div(mQ.shape[0], TILE_M), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         if const_expr(self.persistent):
             grid = (cutlass.min(grid[0] * grid[1] * grid[2], max_ctas), 1, 1)
+        if const_expr(self.split):
+            grid = (full_tiles + (grid[0] * grid[1] * grid[2] - full_tiles) * pieces, 1, 1)
+        else:
+            mOPart, mLSEPart, full_tiles, pieces = None, None, None, None
         self.kernel(tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, mO, mLSE, mDescale,
-                    sQ_layout, sK_layout, sV_layout, scale_log2).launch(
+                    mOPart, mLSEPart, full_tiles, pieces, sQ_layout, sK_layout, sV_layout, scale_log2).launch(
             grid=grid, block=[THREADS_PER_WG * (1 + CONSUMER_WARPGROUPS), 1, 1],
             stream=stream, min_blocks_per_mp=1)
 
@@ -202,12 +224,13 @@ class Forward:
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mDescale,
-               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               mOPart, mLSEPart, full_tiles, pieces, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                scale_log2: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
+        split = Split(mOPart, mLSEPart, full_tiles, pieces) if const_expr(self.split) else None
 
         storage = cutlass.memory.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -255,17 +278,18 @@ class Forward:
                 if const_expr(self.persistent):
                     for tile in cutlass.range(cute.arch.block_idx()[0], tile_count, cute.arch.grid_dim()[0], unroll=1):
                         q_state, kv_state = self.load_tile(tile, m_blocks, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
-                                                           pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k)
+                                                           pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k,
+                                                           split)
                 else:
                     self.load_tile(0, m_blocks, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
-                                   pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k)
+                                   pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k, split)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             if const_expr(PINGPONG and self.persistent):
                 self.first_turn(cute.arch.make_warp_uniform((tidx - THREADS_PER_WG) // THREADS_PER_WG))
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-            args = (m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, sOnes, mO, mLSE, mDescale,
+            args = (m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, sOnes, mO, mLSE, mDescale, split,
                     pipe_q, pipe_k, pipe_v)
             if const_expr(self.persistent):
                 for tile in cutlass.range(cute.arch.block_idx()[0], tile_count, cute.arch.grid_dim()[0], unroll=1):
@@ -276,31 +300,31 @@ class Forward:
 
     @cute.jit
     def load_tile(self, tile, m_blocks, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                  q_state, kv_state, seqlen_q, seqlen_k):
+                  q_state, kv_state, seqlen_q, seqlen_k, split):
         """The producer's part of one tile; returns the pipeline states after it."""
-        m_block, head, batch = self.tile_coordinates(tile, m_blocks, mQ.shape[2])
-        n_block_max = self.key_blocks(m_block, seqlen_q, seqlen_k)
+        m_block, head, batch = self.tile_coordinates(tile, m_blocks, mQ.shape[2], split)
+        n_block_min, n_block_max = self.key_range(m_block, seqlen_q, seqlen_k, split)
         if n_block_max > 0:
             kv_state = self.load(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                                  q_state, kv_state, m_block, head,
-                                 head // (mQ.shape[2] // mK.shape[2]), batch, n_block_max)
+                                 head // (mQ.shape[2] // mK.shape[2]), batch, n_block_min, n_block_max)
             q_state.advance()
         return q_state, kv_state
 
     @cute.jit
     def consume_tile(self, tile, m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, sOnes, mO, mLSE, mDescale,
-                     pipe_q, pipe_k, pipe_v, q_state, kv_state, tidx, seqlen_q, seqlen_k, scale_log2):
+                     split, pipe_q, pipe_k, pipe_v, q_state, kv_state, tidx, seqlen_q, seqlen_k, scale_log2):
         """The consumers' part of one tile; returns the pipeline states after it."""
-        m_block, head, batch = self.tile_coordinates(tile, m_blocks, mQ.shape[2])
+        m_block, head, batch = self.tile_coordinates(tile, m_blocks, mQ.shape[2], split)
         head_kv = head // (mQ.shape[2] // mK.shape[2])
-        n_block_max = self.key_blocks(m_block, seqlen_q, seqlen_k)
+        n_block_min, n_block_max = self.key_range(m_block, seqlen_q, seqlen_k, split)
         v_scale = Float32(1.0)
         if const_expr(FP8):  # dequantisation: S scales by q_descale * k_descale, O by v_descale
             scale_log2 = scale_log2 * mDescale[0, batch, head_kv] * mDescale[1, batch, head_kv]
             v_scale = mDescale[2, batch, head_kv]
-        kv_state = self.consume(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sOnes, mO, mLSE, pipe_q, pipe_k, pipe_v,
-                                q_state, kv_state, tidx, m_block, head, batch, seqlen_q, seqlen_k, n_block_max,
-                                scale_log2, v_scale)
+        kv_state = self.consume(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sOnes, mO, mLSE, split, pipe_q, pipe_k, pipe_v,
+                                q_state, kv_state, tidx, m_block, head, batch, seqlen_q, seqlen_k, n_block_min,
+                                n_block_max, scale_log2, v_scale)
         if const_expr(self.persistent):
             if n_block_max > 0:
                 q_state.advance()
@@ -313,12 +337,18 @@ class Forward:
             cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER_BASE, number_of_threads=2 * THREADS_PER_WG)
 
     @cute.jit
-    def tile_coordinates(self, tile, m_blocks, heads):
+    def tile_coordinates(self, tile, m_blocks, heads, split):
         """(m block, head, batch) of a tile: the linear tile index (m blocks fastest, so CTAs running at once
-        share K and V in L2), or without PERSISTENT the block index, heaviest causal tiles first."""
+        share K and V in L2), or without PERSISTENT the block index, heaviest causal tiles first. With TAIL_SPLIT
+        the grid is 1-D: whole tiles, then the tail tiles' pieces (see TAIL_SPLIT)."""
         if const_expr(self.persistent):
             return tile % m_blocks, (tile // m_blocks) % heads, tile // (m_blocks * heads)
         bidx, head, batch = cute.arch.block_idx()
+        if const_expr(self.split):
+            tile = bidx
+            if bidx >= split.full_tiles:
+                tile = split.full_tiles + (bidx - split.full_tiles) // split.pieces
+            return tile % m_blocks, (tile // m_blocks) % heads, tile // (m_blocks * heads)
         m_blocks = cute.arch.grid_dim()[0]  # the same count from a special register: 8 fewer stack bytes at 3 warpgroups
         return (m_blocks - 1 - bidx if const_expr(self.causal) else bidx), head, batch
 
@@ -332,8 +362,23 @@ class Forward:
         return n_block_max
 
     @cute.jit
+    def key_range(self, m_block, seqlen_q, seqlen_k, split):
+        """[n_block_min, n_block_max): the key blocks this CTA runs for its tile, all of them unless it runs a
+        TAIL_SPLIT piece (piece p of P: blocks [p n / P, (p + 1) n / P) of the tile's n; the host keeps P <= n)."""
+        n_block_max = self.key_blocks(m_block, seqlen_q, seqlen_k)
+        n_block_min = 0
+        if const_expr(self.split):
+            n_block_min = cutlass.Int32(0)
+            slot = cute.arch.block_idx()[0] - split.full_tiles
+            if slot >= 0:
+                piece = slot % split.pieces
+                n_block_min = piece * n_block_max // split.pieces
+                n_block_max = (piece + 1) * n_block_max // split.pieces
+        return n_block_min, n_block_max
+
+    @cute.jit
     def load(self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v, q_state, kv_state,
-             m_block, head, head_kv, batch, n_block_max):
+             m_block, head, head_kv, batch, n_block_min, n_block_max):
         """One tile's TMA loads: Q, then K and V block by block; returns the K/V pipeline state after them."""
         gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, HEAD_DIM), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, HEAD_DIM), (None, 0))
@@ -349,7 +394,7 @@ class Forward:
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
 
-        for i in cutlass.range(n_block_max, unroll=1):
+        for i in cutlass.range(n_block_max - n_block_min, unroll=1):
             n_block = n_block_max - 1 - i  # high to low: the masked blocks come first
             pipe_k.producer_acquire(kv_state)
             cute.copy(tma_k, tKgK[None, n_block], tKsK[None, kv_state.index],
@@ -361,8 +406,8 @@ class Forward:
         return kv_state
 
     @cute.jit
-    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sOnes, mO, mLSE, pipe_q, pipe_k, pipe_v, q_state, kv_state,
-                tidx, m_block, head, batch, seqlen_q, seqlen_k, n_block_max, scale_log2, v_scale):
+    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sOnes, mO, mLSE, split, pipe_q, pipe_k, pipe_v, q_state,
+                kv_state, tidx, m_block, head, batch, seqlen_q, seqlen_k, n_block_min, n_block_max, scale_log2, v_scale):
         """One tile: the key-block loop and the epilogue. ``kv_state`` is the next K/V stage to read; returns
         it after the tile's blocks. Q is released once the tile's last Q K^T is done."""
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
@@ -429,7 +474,7 @@ class Forward:
                 state = self.step(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, rP, acc_O, row_max, row_sum, sums,
                                   pipe_k, pipe_v, state, tScS, m_block, n_block_max - 2 - i, seqlen_q, seqlen_k,
                                   scale_log2, wg, True)
-            for i in cutlass.range(n_mask_start, unroll=1):
+            for i in cutlass.range(n_mask_start - n_block_min, unroll=1):  # (n_block_min > 0: not causal)
                 state = self.step(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, rP, acc_O, row_max, row_sum, sums,
                                   pipe_k, pipe_v, state, tScS, m_block, n_mask_start - 1 - i, seqlen_q, seqlen_k,
                                   scale_log2, wg, False)
@@ -446,7 +491,7 @@ class Forward:
                 state.advance()
                 kv_state = state
 
-        self.epilogue(acc_O, row_max, row_sum, thr_pv, tScS, mO, mLSE, tidx, m_block, head, batch,
+        self.epilogue(acc_O, row_max, row_sum, thr_pv, tScS, mO, mLSE, split, tidx, m_block, head, batch,
                       seqlen_q, scale_log2, v_scale)
         return kv_state
 
@@ -559,7 +604,7 @@ class Forward:
                 o[r, c] = o[r, c] * row_scale[r]
 
     @cute.jit
-    def epilogue(self, acc_O, row_max, row_sum, thr_pv, tScS, mO, mLSE, tidx, m_block, head, batch,
+    def epilogue(self, acc_O, row_max, row_sum, thr_pv, tScS, mO, mLSE, split, tidx, m_block, head, batch,
                  seqlen_q, scale_log2, v_scale):
         o = cute.make_tensor(acc_O.iterator, acc_rows_cols(acc_O.layout))
         lse = cute.make_rmem_tensor_like(row_max, Float32)
@@ -575,6 +620,18 @@ class Forward:
                 lse[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True) - P_EXPONENT_BIAS) * math.log(2.0)
             for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
                 o[r, c] = o[r, c] * inv
+        if const_expr(self.split):
+            slot = cute.arch.block_idx()[0] - split.full_tiles
+            if slot >= 0:
+                self.store_piece(acc_O, lse, thr_pv, tScS, split, slot, tidx, m_block, seqlen_q)
+            else:
+                self.store_tile(acc_O, lse, thr_pv, tScS, mO, mLSE, tidx, m_block, head, batch, seqlen_q)
+        else:
+            self.store_tile(acc_O, lse, thr_pv, tScS, mO, mLSE, tidx, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def store_tile(self, acc_O, lse, thr_pv, tScS, mO, mLSE, tidx, m_block, head, batch, seqlen_q):
+        """The tile's output (in the output type) and LSE, rows past seqlen_q left alone."""
         rO = cute.make_rmem_tensor_like(acc_O, self.out_dtype)
         rO.store(acc_O.load().to(self.out_dtype))
         gO = cute.local_tile(mO[None, None, head, batch], (TILE_M, HEAD_DIM), (m_block, 0))
@@ -588,3 +645,18 @@ class Forward:
                 row = m_block * TILE_M + tScS[r, 0][0]
                 if row < seqlen_q:
                     mLSE[row, head, batch] = lse[r]
+
+    @cute.jit
+    def store_piece(self, acc_O, lse, thr_pv, tScS, split, slot, tidx, m_block, seqlen_q):
+        """TAIL_SPLIT: a piece's normalised output (fp32) and LSE into its workspace slot, for the combine."""
+        gO = cute.local_tile(split.o_part[slot, None, None], (TILE_M, HEAD_DIM), (0, 0))
+        tOgO = thr_pv.partition_C(gO)
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HEAD_DIM)))
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            if m_block * TILE_M + tOcO[i][0] < seqlen_q:
+                tOgO[i] = acc_O[i]
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = tScS[r, 0][0]
+                if m_block * TILE_M + row < seqlen_q:
+                    split.lse_part[slot, row] = lse[r]

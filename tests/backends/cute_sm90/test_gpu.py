@@ -24,7 +24,7 @@ SHAPES = [(1, 2, 2, 1, 1), (2, 3, 3, 17, 17), (1, 4, 2, 113, 1023), (1, 4, 1, 10
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_poisoned_outputs_match_fp64(shape, dtype, causal, head_dim, gen):
     from attnforge.backends.cute_sm90 import compile as cc
-    from attnforge.backends.cute_sm90.backend import max_ctas
+    from attnforge.backends.cute_sm90.backend import run_kernel
     from attnforge.dispatch import registered
 
     b, hq, hkv, nq, nk = shape
@@ -33,8 +33,10 @@ def test_poisoned_outputs_match_fp64(shape, dtype, causal, head_dim, gen):
                for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    kernel = cc.compiled(registered()["cute_sm90"].module(torch_dtype, head_dim), dtype, causal)
-    kernel(q, k, v, out, lse, head_dim ** -0.5 * math.log2(math.e), max_ctas(q.device))
+    backend = registered()["cute_sm90"]
+    kernel = cc.compiled(backend.module(torch_dtype, head_dim), dtype, causal)
+    run_kernel(kernel, backend.tile(torch_dtype, head_dim), q, k, v, out, lse, head_dim ** -0.5 * math.log2(math.e),
+               causal=causal)
     ref, ref_lse, _ = oracle(q, k, v, causal=causal)
     peer, _ = peer_error(q, k, v, causal=causal)
     ulps = 4 * math.sqrt(max(nk, head_dim))
@@ -118,7 +120,7 @@ def test_negative_scale_matches_fp64(dtype, causal, gen):
 def test_fp8_kernel_writes_every_element(causal, gen):
     """The FP8 kernel called directly with NaN-poisoned outputs: odd lengths, GQA."""
     from attnforge.backends.cute_sm90 import compile as cc
-    from attnforge.backends.cute_sm90.backend import max_ctas
+    from attnforge.backends.cute_sm90.backend import run_kernel
     from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
     from attnforge.dispatch import registered
 
@@ -127,9 +129,10 @@ def test_fp8_kernel_writes_every_element(causal, gen):
                for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
     out = torch.full((b, hq, nq, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((b, hq, nq), float("nan"), device="cuda")
-    kernel = cc.compiled(registered()["cute_sm90"].module(torch.float8_e4m3fn, d), "fp8", causal)
-    kernel(q, k, prepare_v_fp8(v), out, lse, torch.ones(3, b, hkv, device="cuda"), d ** -0.5 * math.log2(math.e),
-           max_ctas(q.device))
+    backend = registered()["cute_sm90"]
+    kernel = cc.compiled(backend.module(torch.float8_e4m3fn, d), "fp8", causal)
+    run_kernel(kernel, backend.tile(torch.float8_e4m3fn, d), q, k, prepare_v_fp8(v), out, lse,
+               d ** -0.5 * math.log2(math.e), causal=causal, descale=torch.ones(3, b, hkv, device="cuda"))
     assert not out.isnan().any() and not lse.isnan().any()
 
 
@@ -143,6 +146,7 @@ def test_persistent_ctas_cover_every_tile(head_dim, causal, dtype, max_ctas, gen
     or K/V stage shows against fp64 math on a NaN-poisoned output. Causal kernels take one CTA per tile
     and must ignore max_ctas."""
     from attnforge.backends.cute_sm90 import compile as cc
+    from attnforge.backends.cute_sm90.backend import run_kernel
     from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
     from attnforge.dispatch import registered
     from attnforge.testing import fp8_peer, rel_error
@@ -153,12 +157,15 @@ def test_persistent_ctas_cover_every_tile(head_dim, causal, dtype, max_ctas, gen
     out = torch.full((b, hq, nq, head_dim), float("nan"), device="cuda",
                      dtype=torch.bfloat16 if dtype == "fp8" else torch_dtype)
     lse = torch.full((b, hq, nq), float("nan"), device="cuda")
-    kernel = cc.compiled(registered()["cute_sm90"].module(torch_dtype, head_dim), dtype, causal)
+    backend = registered()["cute_sm90"]
+    kernel = cc.compiled(backend.module(torch_dtype, head_dim), dtype, causal)
     scale_log2 = head_dim ** -0.5 * math.log2(math.e)
-    if dtype == "fp8":
-        kernel(q, k, prepare_v_fp8(v), out, lse, torch.ones(3, b, hkv, device="cuda"), scale_log2, max_ctas)
+    tile = backend.tile(torch_dtype, head_dim)
+    if dtype == "fp8":  # (a tail-split kernel plans for max_ctas SMs: few SMs, many pieces)
+        run_kernel(kernel, tile, q, k, prepare_v_fp8(v), out, lse, scale_log2, causal=causal,
+                   descale=torch.ones(3, b, hkv, device="cuda"), ctas=max_ctas)
     else:
-        kernel(q, k, v, out, lse, scale_log2, max_ctas)
+        run_kernel(kernel, tile, q, k, v, out, lse, scale_log2, causal=causal, ctas=max_ctas)
     ref, ref_lse, _ = oracle(q.float(), k.float(), v.float(), causal=causal)
     assert not out.isnan().any() and not lse.isnan().any()
     if dtype == "fp8":
@@ -166,6 +173,56 @@ def test_persistent_ctas_cover_every_tile(head_dim, causal, dtype, max_ctas, gen
         assert rel_error(out, ref) <= 1.2 * inherent + 2 ** -8, (rel_error(out, ref), inherent)
     else:
         peer, _ = peer_error(q, k, v, causal=causal)
+        assert_close("out", out, ref, peer, ulps=4 * math.sqrt(nk))
+        assert_close("lse", lse, ref_lse, ref_lse.float(), ulps=4 * math.sqrt(nk))
+
+
+SPLIT_PICKS = [(kind, d) for kind, d, tile in variants.picks() if tile.tail_split]
+
+
+@pytest.mark.skipif(not SPLIT_PICKS, reason="no picked cute_sm90 tile has tail_split")
+@pytest.mark.parametrize("kind,head_dim", SPLIT_PICKS, ids=lambda x: str(x))
+@pytest.mark.parametrize("plan", ((16, 2, 2), (0, 18, 3), (17, 1, 11), (0, 18, 11), (18, 0, 1)),
+                         ids=lambda p: "full%d-tail%d-pieces%d" % p)
+def test_tail_split_pieces_match_fp64(kind, head_dim, plan, gen, monkeypatch):
+    """Given plans (whole tiles, tail tiles, pieces per tail tile) on 18 tiles of 11 key blocks (2 x 3 heads,
+    seqlen_q 3 tiles less a few rows, seqlen_k not a multiple of the key block): up to one key block per piece.
+    NaN-poisoned outputs and workspaces, so a row no piece wrote, or a slot the combine read unwritten, shows."""
+    from attnforge.backends.cute_sm90 import compile as cc
+    from attnforge.backends.cute_sm90 import tail_split
+    from attnforge.backends.cute_sm90.backend import run_kernel
+    from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
+    from attnforge.testing import fp8_peer, rel_error
+
+    tile, _ = variants.pick(kind, head_dim)
+    b, h, nq, nk = 2, 3, 3 * tile.tile_m - 5, 11 * tile.tile_n - 7
+    p = tail_split.Plan(*plan)
+    assert p.check(b * h * 3, 11) == []
+    torch_dtype = torch.float8_e4m3fn if kind == "fp8" else torch.bfloat16
+    q, k, v = (torch.randn(b, h, n, head_dim, generator=gen).to("cuda").to(torch_dtype) for n in (nq, nk, nk))
+    out = torch.full((b, h, nq, head_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((b, h, nq), float("nan"), device="cuda")
+    real_workspaces = tail_split.workspaces
+    monkeypatch.setattr(tail_split, "workspaces", lambda *a: tuple(w.fill_(float("nan")) for w in real_workspaces(*a)))
+    kernel = cc.compiled(tile.module(head_dim, kind), "fp8" if kind == "fp8" else "bf16", False)
+    scale_log2 = head_dim ** -0.5 * math.log2(math.e)
+    if kind == "fp8":
+        run_kernel(kernel, tile, q, k, prepare_v_fp8(v), out, lse, scale_log2, causal=False, plan=p,
+                   descale=torch.ones(3, b, h, device="cuda"))
+    else:
+        run_kernel(kernel, tile, q, k, v, out, lse, scale_log2, causal=False, plan=p)
+    assert not out.isnan().any() and not lse.isnan().any()
+    ref, ref_lse, _ = oracle(q.float(), k.float(), v.float(), causal=False)
+    if kind == "fp8":
+        inherent = rel_error(fp8_peer(q.float(), k.float(), v.float(), causal=False), ref)
+        assert rel_error(out, ref) <= 1.2 * inherent + 2 ** -8, (rel_error(out, ref), inherent)
+        # the LSE as in test_fp8_with_descales...: S's 14-bit accumulation, with row_sum_mma P's rounding
+        magnitude = (q.double().abs() @ k.double().abs().transpose(-1, -2)).max().item() * head_dim ** -0.5
+        p_rounding = -math.log1p(-(2 ** -4 + nk * 2 ** -18)) if tile.row_sum_mma else 0.0
+        lse_err = (lse.double() - ref_lse).abs().max().item()
+        assert lse_err <= 2 * 2 ** -14 * magnitude + 1e-5 + p_rounding, lse_err
+    else:
+        peer, _ = peer_error(q, k, v, causal=False)
         assert_close("out", out, ref, peer, ulps=4 * math.sqrt(nk))
         assert_close("lse", lse, ref_lse, ref_lse.float(), ulps=4 * math.sqrt(nk))
 
