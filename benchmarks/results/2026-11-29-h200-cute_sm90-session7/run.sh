@@ -8,7 +8,17 @@ export PYTHONPATH=/tmp/site:/tmp/af:$PYTHONPATH TRITON_DEFAULT_FP_FUSION=1 PYTHO
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 case "$1" in
   waves)  # wave quantization of the FP8 d=128 pick (192-row tiles): whole waves vs a part-filled last wave
+    # (ran at 74d76ba^, before the tail split: waves_before*.json)
     python3 benchmarks/wave_probe.py --kind fp8 --head-dim 128 --json $OUT/waves_fp8_d128.json 2>&1 | grep -v Warning
     python3 benchmarks/wave_probe.py --kind fp8 --head-dim 128 --json $OUT/waves_fp8_d128_again.json 2>&1 | grep -v Warning
+    ;;
+  split)  # the tail split: its A/B on the wave probe's shapes, then the GPU tests of the kernels and the API
+    python3 benchmarks/wave_probe.py --kind fp8 --head-dim 128 --json $OUT/split_waves.json 2>&1 | grep -v Warning
+    timeout 420 python3 -m pytest tests/backends/cute_sm90/test_gpu.py tests/test_api.py -q -p no:cacheprovider \
+      -k "cute_sm90 or fp8 or cuda" 2>&1 | tail -n 15
+    ;;
+  cudnn)  # carry .gpu-cudnn: FP8 d=128 beside cuDNN's FP8, same run, twice
+    python3 benchmarks/bench_fp8.py --head-dim 128 --seqlen 16384,4096 --json $OUT/fp8.json 2>&1 | grep -v Warning
+    python3 benchmarks/bench_fp8.py --head-dim 128 --seqlen 16384 --json $OUT/fp8_second.json 2>&1 | grep -v Warning
     ;;
 esac
