@@ -21,4 +21,14 @@ case "$1" in
     python3 benchmarks/bench_fp8.py --head-dim 128 --seqlen 16384,4096 --json $OUT/fp8.json 2>&1 | grep -v Warning
     python3 benchmarks/bench_fp8.py --head-dim 128 --seqlen 16384 --json $OUT/fp8_second.json 2>&1 | grep -v Warning
     ;;
+  api)  # test_api's CUDA cases in one process (the split step saw test_large_magnitude_scores...[cuda-fp32-sdpa]
+    # fail once after test_gpu.py; it passed alone), then the tail-split GPU tests again
+    timeout 500 python3 -m pytest tests/test_api.py tests/backends/cute_sm90/test_gpu.py -q -p no:cacheprovider \
+      -k "cuda or tail_split" 2>&1 | tail -n 8
+    ;;
+  ab)  # carry .gpu-cudnn: interleaved rounds beside cuDNN's FP8 (benchmarks/ab_fp8.py)
+    python3 benchmarks/ab_fp8.py --head-dim 128 --seqlen 16384 --rounds 9 --json $OUT/ab_16k.json 2>&1 | grep -v Warning
+    python3 benchmarks/ab_fp8.py --head-dim 128 --seqlen 16384 --rounds 5 --causal --json $OUT/ab_16k_causal.json 2>&1 | grep -v Warning
+    python3 benchmarks/ab_fp8.py --head-dim 128 --seqlen 4096 --rounds 5 --json $OUT/ab_4k.json 2>&1 | grep -v Warning
+    ;;
 esac
