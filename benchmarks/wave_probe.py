@@ -36,6 +36,8 @@ def main() -> None:
     p.add_argument("--kind", default="fp8")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--shapes", default=SHAPES)
+    p.add_argument("--pieces", default="auto,1", help="plans to time (tail_split tiles): 'auto' (tail_split.plan), "
+                   "or pieces per tail tile for the last, part-filled wave (1: every tile whole)")
     p.add_argument("--json")
     args = p.parse_args()
     d, fp8 = args.head_dim, args.kind == "fp8"
@@ -55,9 +57,12 @@ def main() -> None:
             q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
             v, descale = prepare_v_fp8(v), torch.ones(3, b, h, device="cuda")
         tiles = -(-n // tile.tile_m) * b * h
-        plans = [None]  # the kernel's own plan; with tail_split also every tile whole, for the A/B
+        plans = [None]  # the kernel's own plan (tail_split: tail_split.plan's), and any forced ones
         if tile.tail_split:
-            plans.append(tail_split.whole(tiles))
+            blocks, full = -(-n // tile.tile_n), tiles // sms * sms
+            plans = [None if x == "auto" else tail_split.Plan(full, tiles - full, int(x)) if int(x) > 1 and full < tiles
+                     else tail_split.whole(tiles) for x in args.pieces.split(",")]
+            plans = [x for x in plans if x is None or not x.check(tiles, blocks)]
         for plan in plans:
             run = lambda: run_kernel(kernel, tile, q, k, v, out, lse, scale_log2, causal=False,  # noqa: E731
                                      descale=descale, plan=plan)  # noqa: B023

@@ -31,4 +31,10 @@ case "$1" in
     python3 benchmarks/ab_fp8.py --head-dim 128 --seqlen 16384 --rounds 5 --causal --json $OUT/ab_16k_causal.json 2>&1 | grep -v Warning
     python3 benchmarks/ab_fp8.py --head-dim 128 --seqlen 4096 --rounds 5 --json $OUT/ab_4k.json 2>&1 | grep -v Warning
     ;;
+  pieces4k)  # the plan's threshold at N=4k (tail of 88 tiles, 43 key blocks: the plan keeps tiles whole)
+    python3 benchmarks/wave_probe.py --kind fp8 --head-dim 128 --shapes 4:16:4096,1:16:16384,4:16:4032 \
+      --pieces auto,1,2,3,4 --json $OUT/pieces.json 2>&1 | grep -v Warning
+    python3 benchmarks/wave_probe.py --kind fp8 --head-dim 128 --shapes 4:16:4096,1:16:16384 \
+      --pieces 3,1,2,auto --json $OUT/pieces_again.json 2>&1 | grep -v Warning
+    ;;
 esac
