@@ -34,16 +34,19 @@ def main() -> None:
     decision = attnforge.explain(q, k, v)
     if torch.cuda.get_device_capability() == (9, 0):
         from attnforge.backends.cute_sm90 import compile as cc
-        from attnforge.backends.cute_sm90.backend import max_ctas
+        from attnforge.backends.cute_sm90.backend import run_kernel
         from attnforge.dispatch import registered
 
-        kernel = cc.compiled(registered()["cute_sm90"].module(q.dtype, 64), "bf16", False)
+        backend = registered()["cute_sm90"]
+        kernel = cc.compiled(backend.module(q.dtype, 64), "bf16", False)
+        tile = backend.tile(q.dtype, 64)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
         scale_log2 = 64 ** -0.5 * math.log2(math.e)
-        impls["cute_sm90 kernel, called directly"] = lambda: kernel(q, k, v, out, lse, scale_log2, max_ctas(q.device))
+        # through run_kernel, which passes each kernel the arguments its signature takes (and plans a tail split)
+        impls["cute_sm90 kernel, called directly"] = lambda: run_kernel(kernel, tile, q, k, v, out, lse, scale_log2,
+                                                                        causal=False)
         # where the rest goes: the backend's forward() without the dispatcher, the dispatcher alone
         # (a cached Decision lookup) and the two output allocations
-        backend = registered()["cute_sm90"]
         impls["cute_sm90 forward(), no dispatch"] = lambda: backend.forward(q, k, v, causal=False, scale=0.125,
                                                                            dropout_p=0.0)
         from attnforge.dispatch.select import decide_call

@@ -1,6 +1,7 @@
 """Peak device memory of one attnforge.attention() forward at N=16384 (B=1, H=16, d=128), beyond the
-inputs: what the call allocates, against its outputs (out and LSE) and, for FP8, V^T (the one
-workspace, the size of V). An N x N score buffer would add 2 * 16 * 16384^2 = 8 GiB in bf16.
+inputs: what the call allocates, against its outputs (out and LSE) and its workspaces: for FP8, V^T (the
+size of V), and for a cute_sm90 kernel that splits its last wave (tail_split.py), the pieces' fp32 outputs and
+LSEs (at most 2 x SMs tiles' worth, whatever N). An N x N score buffer would add 2 * 16 * 16384^2 = 8 GiB in bf16.
 
     python benchmarks/peak_memory.py [--json out.json]
 """
@@ -14,7 +15,10 @@ import json
 import torch
 
 import attnforge
+from attnforge.backends.cute_sm90 import tail_split
+from attnforge.backends.cute_sm90.backend import max_ctas
 from attnforge.bench.measure import peak_mem_bytes
+from attnforge.dispatch import registered
 
 
 def _call_into(outs: list, q, k, v, causal: bool) -> None:
@@ -37,11 +41,19 @@ def main() -> None:
             out_bytes = out.numel() * out.element_size() + b * h * n * 4  # out and the fp32 LSE
             workspace = v.numel() * v.element_size() if dtype == torch.float8_e4m3fn else 0  # V^T
             decision = attnforge.last_decision()
+            pieces = 0
+            if decision.forward.backend == "cute_sm90":
+                tile = registered()["cute_sm90"].tile(q.dtype, d)
+                if tile.tail_split and not causal:
+                    tiles = -(-n // tile.tile_m) * h * b
+                    pieces = tail_split.plan(tiles, -(-n // tile.tile_n), max_ctas(q.device)).slots
+                    workspace += pieces * tile.tile_m * (d + 1) * 4
             row = dict(dtype=str(dtype), causal=causal, backend=decision.forward.backend, allocated_bytes=extra,
-                       outputs_bytes=out_bytes, workspace_bytes=workspace)
+                       outputs_bytes=out_bytes, workspace_bytes=workspace, tail_split_pieces=pieces)
             rows.append(row)
             print(f"{str(dtype):22s} {'causal' if causal else 'full  '} {decision.forward.backend:10s} call allocated "
-                  f"{extra / 2**20:7.2f} MiB; out+LSE {out_bytes / 2**20:6.2f} MiB + V^T {workspace / 2**20:5.2f} MiB",
+                  f"{extra / 2**20:7.2f} MiB; out+LSE {out_bytes / 2**20:6.2f} MiB + workspaces {workspace / 2**20:5.2f} MiB "
+                  f"(V^T for FP8, {pieces} tail-split pieces)",
                   flush=True)
             del q, k, v, out
     if args.json:

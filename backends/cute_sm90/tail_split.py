@@ -8,9 +8,13 @@ lse = log sum_p exp(lse_p), out = sum_p exp(lse_p - lse) out_p. Exact up to fp32
 softmax across key blocks it continues. FlashDecoding's split-KV, used on the tail only, like CUTLASS's
 "data-parallel + stream-K" GEMM schedules.
 
-Measured on the H200 (benchmarks/results/2026-11-29-h200-cute_sm90-session7/): the FP8 d=128 kernel, 192-row
-tiles, 965-973 TFLOP/s at 7.00 waves of tiles (B=1, H=11, N=16128) against 889-890 at 7.17 waves (N=16384): the
-part-filled eighth wave cost ~0.7 of a full one (the clock rises while few SMs draw power).
+Measured on the H200 (benchmarks/results/2026-11-29-h200-cute_sm90-session7/NOTES.md), the FP8 d=128 kernel
+(192-row tiles): without splitting, 965-973 TFLOP/s at exactly 7 waves of tiles (B=1, H=11, N=16128) against
+889-890 at 7.17 waves (N=16384), so the part-filled eighth wave cost ~0.7 of a full one (the clock rises while
+few SMs draw power). With the split, at the benchmarks' B=1, H=16, N=16384 (56 tail tiles as 2 pieces each):
+929 against 903 TFLOP/s, medians of 9 interleaved rounds; 933-942 against 877-904 in three other runs. At
+N=4096 (88 tail tiles of 43 key blocks) the plan keeps tiles whole, and forced pieces measured no faster
+(2: 799-813, 3: 836-852, whole 837-855).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ def estimate(plan: Plan, key_blocks: int, sms: int) -> float:
     return time
 
 
+@functools.lru_cache(maxsize=1024)
 def plan(tiles: int, key_blocks: int, sms: int) -> Plan:
     """The plan for ``tiles`` equal tiles of ``key_blocks`` key blocks on ``sms`` SMs (one CTA each): the
     last, part-filled wave split into the piece count that estimate() finds fastest, when that saves more
@@ -105,6 +110,8 @@ def combine(p: Plan, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Te
     heads, seqlen_q), both with unit stride on their last dimension."""
     from . import tail_split_kernel as k
 
+    if out.stride(-1) != 1 or lse.stride(-1) != 1:
+        raise ValueError(f"combine needs unit stride on the last dimension (out {out.stride()}, lse {lse.stride()})")
     b, h, n, d = out.shape
     grid = (p.tail_tiles, -(-tile_m // k.BLOCK_ROWS))
     k.combine_pieces[grid](o_part, lse_part, out, lse, p.full_tiles, p.pieces, -(-n // tile_m), h, n,

@@ -159,6 +159,10 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     # rescale) on top: slower (session6/thresh_d128.json: 920 vs 958 at d=128, 671 vs 685 at d=64).
     # The d=128 causal kernel keeps 8 bytes on the stack (two values stored before the key-block loops,
     # reloaded after them: none inside the loops).
+    # Session 7 (session7/NOTES.md): at N=16k (B=1, H=16) the 192-row tiles fill 10.42 waves of 132 SMs, and the
+    # part-filled 11th cost ~0.7 of a full wave. tail_split runs those tiles as key-range pieces (tail_split.py):
+    # 929 vs 903 TFLOP/s (9 interleaved rounds, kernel alone), cuDNN's FP8 926 in the same rounds. Only d=128 has
+    # it: at the other picks' benchmark shapes the plan would keep every tile whole.
     "fp8": {
         64: [Sm90FwdTile(192, 128, 2, persistent=True, row_sum_mma=True, **WG3)],
         128: [Sm90FwdTile(192, 96, 2, row_sum_mma=True, tail_split=True, accepted_spill_bytes=8, **WG3)],

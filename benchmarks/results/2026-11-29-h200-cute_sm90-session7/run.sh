@@ -37,4 +37,10 @@ case "$1" in
     python3 benchmarks/wave_probe.py --kind fp8 --head-dim 128 --shapes 4:16:4096,1:16:16384 \
       --pieces 3,1,2,auto --json $OUT/pieces_again.json 2>&1 | grep -v Warning
     ;;
+  final)  # the final tree: launch cost (tiny bf16 problem, beside SDPA), then the GPU suite
+    python3 benchmarks/launch_cost.py --json $OUT/launch_cost.json 2>&1 | grep -v Warning
+    python3 benchmarks/peak_memory.py --json $OUT/peak_memory.json 2>&1 | grep -v Warning
+    timeout 420 python3 -m pytest tests/backends/cute_sm90 tests/test_api.py -q -p no:cacheprovider \
+      -k "cute_sm90 or fp8 or cuda" 2>&1 | tail -n 6
+    ;;
 esac
