@@ -85,7 +85,7 @@ def needs_gpu(capability: tuple[int, int], name: str):
 
 
 def run_interpreter_tests(folder) -> None:
-    """Run the pytest files in ``folder`` in a process of their own with TRITON_INTERPRET=1 (Triton reads
+    """Run the pytest files in ``folder`` (or that one file) in a process of their own with TRITON_INTERPRET=1 (Triton reads
     the variable when kernels are decorated, so it cannot be switched on inside a running process);
     fail with the tail of their output unless they all pass and none is skipped."""
     import os

@@ -48,11 +48,15 @@ def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2
     (default: the SM count). With ``tile.tail_split`` and no causal mask, ``plan`` (default:
     tail_split.plan for this shape) says which tiles run as pieces; their combine runs after the kernel.
     Returns the plan that ran (None: the kernel takes none)."""
-    ctas = max_ctas(q.device) if ctas is None else ctas
-    head = (q, k, v, out, lse) if descale is None else (q, k, v, out, lse, descale)
-    if not tile.tail_split:
-        kernel(*head, scale_log2, ctas)
+    if ctas is None:
+        ctas = max_ctas(q.device)
+    if not tile.tail_split:  # (the launch path of every call: kept to one branch and the call)
+        if descale is None:
+            kernel(q, k, v, out, lse, scale_log2, ctas)
+        else:
+            kernel(q, k, v, out, lse, descale, scale_log2, ctas)
         return None
+    head = (q, k, v, out, lse) if descale is None else (q, k, v, out, lse, descale)
     b, h, n_q, d = q.shape
     tiles = -(-n_q // tile.tile_m) * h * b
     if plan is None:
@@ -136,17 +140,23 @@ class CuteSm90Backend(Backend):
         return tile
 
     @staticmethod
-    @functools.lru_cache(maxsize=None)
     def module(dtype: torch.dtype, head_dim: int) -> str:
         """The generated module of the picked variant."""
-        return CuteSm90Backend.tile(dtype, head_dim).module(head_dim, cc.KIND[_DTYPE_NAME[dtype]])
+        return CuteSm90Backend.picked(dtype, head_dim)[1]
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def picked(dtype: torch.dtype, head_dim: int) -> tuple[variants.Sm90FwdTile, str]:
+        """(tile, generated module) of the picked variant: one cached lookup on every forward() call."""
+        tile = CuteSm90Backend.tile(dtype, head_dim)
+        return tile, tile.module(head_dim, cc.KIND[_DTYPE_NAME[dtype]])
 
     def forward(self, q, k, v, *, causal, scale, dropout_p, descale=None, **mask):
         q, scale = nonnegative_scale(q, scale)
         q, k = _tma_ready(q), _tma_ready(k)
         dtype = _DTYPE_NAME[q.dtype]
-        tile = self.tile(q.dtype, q.shape[-1])
-        kernel = cc.compiled(self.module(q.dtype, q.shape[-1]), dtype, causal)
+        tile, module = self.picked(q.dtype, q.shape[-1])
+        kernel = cc.compiled(module, dtype, causal)
         lse = torch.empty_like(_lse_prototype(q.shape[:3], q.device))
         scale_log2 = scale * LOG2_E
         if dtype == "fp8":

@@ -43,4 +43,11 @@ case "$1" in
     timeout 420 python3 -m pytest tests/backends/cute_sm90 tests/test_api.py -q -p no:cacheprovider \
       -k "cute_sm90 or fp8 or cuda" 2>&1 | tail -n 6
     ;;
+  launch)  # after trimming forward()'s launch path (one cached lookup, run_kernel's plain branch): launch cost
+    # twice, then the API's CUDA cases and the FP8 / tail-split kernel tests
+    python3 benchmarks/launch_cost.py --json $OUT/launch_cost_trimmed.json 2>&1 | grep -v Warning
+    python3 benchmarks/launch_cost.py --json $OUT/launch_cost_trimmed_again.json 2>&1 | grep -v Warning
+    timeout 240 python3 -m pytest tests/test_api.py tests/backends/cute_sm90/test_gpu.py tests/backends/cute_sm90/test_tail_split.py \
+      tests/backends/cute_sm90/test_v_layout.py -q -p no:cacheprovider -k "cuda or fp8 or tail_split or interpreter" 2>&1 | tail -n 4
+    ;;
 esac

@@ -12,7 +12,7 @@ from attnforge.testing import needs_gpu, run_interpreter_tests
 
 
 def test_v_layout_kernel_in_the_interpreter():
-    run_interpreter_tests(pathlib.Path(__file__).parent / "interpreter")
+    run_interpreter_tests(pathlib.Path(__file__).parent / "interpreter" / "test_v_layout_interpreted.py")
 
 
 def test_build_compiles_the_v_layout_kernel_for_sm90_with_no_gpu(tmp_path, capsys):
