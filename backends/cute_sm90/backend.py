@@ -59,11 +59,17 @@ def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2
     head = (q, k, v, out, lse) if descale is None else (q, k, v, out, lse, descale)
     b, h, n_q, d = q.shape
     tiles = -(-n_q // tile.tile_m) * h * b
+    key_blocks = -(-k.shape[2] // tile.tile_n)
     if plan is None:
-        plan = tail_split.whole(tiles) if causal else tail_split.plan(tiles, -(-k.shape[2] // tile.tile_n), ctas)
+        plan = tail_split.whole(tiles) if causal else tail_split.plan(tiles, key_blocks, ctas)
+    else:  # a given plan (tests, benchmarks): a wrong one would launch a wrong grid
+        reasons = plan.check(tiles, key_blocks) + (["causal kernels run every tile whole"] if causal and plan.tail_tiles else [])
+        if reasons:
+            raise ValueError(f"tail split plan {plan} cannot run this call ({tiles} tiles of {key_blocks} key blocks): "
+                             + "; ".join(reasons))
     o_part, lse_part = tail_split.workspaces(plan, tile.tile_m, d, q.device)
     kernel(*head, scale_log2, ctas, o_part, lse_part, plan.full_tiles, plan.pieces)
-    if plan.pieces > 1 and plan.tail_tiles:
+    if plan.tail_tiles:
         tail_split.combine(plan, o_part, lse_part, out, lse, tile.tile_m)
     return plan
 

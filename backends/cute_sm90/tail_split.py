@@ -99,7 +99,7 @@ def _unused_workspaces(tile_m: int, head_dim: int, device: torch.device):
 
 def workspaces(p: Plan, tile_m: int, head_dim: int, device: torch.device):
     """(outputs, LSEs) for the plan's pieces: fp32 (slots, tile_m, head_dim) and (slots, tile_m)."""
-    if not p.slots or p.pieces == 1:
+    if not p.slots:
         return _unused_workspaces(tile_m, head_dim, device)
     return (torch.empty(p.slots, tile_m, head_dim, device=device), torch.empty(p.slots, tile_m, device=device))
 

@@ -166,7 +166,6 @@ class Forward:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mDescale: cute.Tensor, scale_log2: Float32, max_ctas: cutlass.Int32,
                  stream: cuda.CUstream):
-        mOPart, mLSEPart, full_tiles, pieces = None, None, None, None
         # torch order (b, h, s, d) -> (s, d, h, b); LSE (b, h, s) -> (s, h, b); FP8 V^T (b, h, d, s) -> (d, s, h, b)
         mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
                           for t in (mQ, mK, mV, mO)]
@@ -212,7 +211,7 @@ class Forward:
             grid = (cutlass.min(grid[0] * grid[1] * grid[2], max_ctas), 1, 1)
         if const_expr(self.split):
             grid = (full_tiles + (grid[0] * grid[1] * grid[2] - full_tiles) * pieces, 1, 1)
-        else:
+        else:  # (a causal kernel of a TAIL_SPLIT module takes them and ignores them)
             mOPart, mLSEPart, full_tiles, pieces = None, None, None, None
         self.kernel(tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, mO, mLSE, mDescale,
                     mOPart, mLSEPart, full_tiles, pieces, sQ_layout, sK_layout, sV_layout, scale_log2).launch(
@@ -223,7 +222,8 @@ class Forward:
     def kernel(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mDescale,
-               mOPart, mLSEPart, full_tiles, pieces, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               mOPart, mLSEPart, full_tiles, pieces,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                scale_log2: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())

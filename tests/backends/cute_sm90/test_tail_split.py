@@ -77,6 +77,20 @@ def test_run_kernel_hands_the_plan_to_the_kernel(causal, monkeypatch):
         assert combined == [ran]
 
 
+@pytest.mark.skipif(not SPLIT_TILES, reason="no picked cute_sm90 tile has tail_split")
+@pytest.mark.parametrize("plan,causal", (((4, 1, 2), False), ((5, 0, 1), False), ((0, 6, 21), False), ((4, 2, 2), True)),
+                         ids=("counts", "whole-count", "more-pieces-than-blocks", "causal"))
+def test_run_kernel_refuses_a_plan_that_cannot_run(plan, causal):
+    """A given plan is checked against the call (6 tiles of 20 key blocks) before anything launches."""
+    kind, d, tile = SPLIT_TILES[0]
+    q, k = torch.empty(1, 2, 3 * tile.tile_m, d), torch.empty(1, 2, 20 * tile.tile_n, d)
+    kernel = RecordingKernel()
+    with pytest.raises(ValueError, match="tail split plan"):
+        run_kernel(kernel, tile, q, k, k, q, torch.empty(1, 2, 3 * tile.tile_m), 1.0, causal=causal, ctas=4,
+                   plan=tail_split.Plan(*plan))
+    assert not hasattr(kernel, "args")
+
+
 @pytest.mark.skipif(Version(triton.__version__) < Version("3.8") and Version(numpy.__version__) >= Version("2.4"),
                     reason="Triton < 3.8's interpreter fails on range() with a runtime bound (the combine's loop over "
                            "pieces) under numpy >= 2.4 (as in tests/backends/triton_fa2/test_interpreter_suite.py)")
