@@ -55,7 +55,7 @@ def main() -> None:
                                                                causal=causal, descale=descale),
                "cuDNN fp8 (e4m3 out)": cudnn_fp8(q, k, v, causal)}
     if tile.tail_split and not causal:
-        whole = tail_split.whole(-(-n // tile.tile_m) * h * b)
+        whole = tail_split.whole(tail_split.counts(tile, b, h, n, n)[0])
         runners["cute_sm90 fp8 kernel, no split"] = lambda: run_kernel(kernel, tile, q, k, v_t, out, lse, scale_log2,
                                                                        causal=causal, descale=descale, plan=whole)
     runners = {name: run for name, run in runners.items() if run is not None}

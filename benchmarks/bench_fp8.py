@@ -100,7 +100,7 @@ def main() -> None:
                 impls["cute_sm90 fp8 kernel only"] = lambda: (run_kernel(
                     kernel, tile, q8, k8, v_t, out, lse, scale_log2, causal=causal, descale=descale), out)[1]
                 if tile.tail_split and not causal:  # the same kernel with every tile whole: the split's A/B
-                    whole = tail_split.whole(-(-n // tile.tile_m) * h * b)
+                    whole = tail_split.whole(tail_split.counts(tile, b, h, n, n)[0])
                     impls["cute_sm90 fp8 kernel, no split"] = lambda: (run_kernel(
                         kernel, tile, q8, k8, v_t, out, lse, scale_log2, causal=causal, descale=descale,
                         plan=whole), out)[1]

@@ -45,8 +45,7 @@ def main() -> None:
             if decision.forward.backend == "cute_sm90":
                 tile = registered()["cute_sm90"].tile(q.dtype, d)
                 if tile.tail_split and not causal:
-                    tiles = -(-n // tile.tile_m) * h * b
-                    pieces = tail_split.plan(tiles, -(-n // tile.tile_n), max_ctas(q.device)).slots
+                    pieces = tail_split.plan(*tail_split.counts(tile, b, h, n, n), max_ctas(q.device)).slots
                     workspace += pieces * tile.tile_m * (d + 1) * 4
             row = dict(dtype=str(dtype), causal=causal, backend=decision.forward.backend, allocated_bytes=extra,
                        outputs_bytes=out_bytes, workspace_bytes=workspace, tail_split_pieces=pieces)

@@ -56,10 +56,10 @@ def main() -> None:
         if fp8:
             q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
             v, descale = prepare_v_fp8(v), torch.ones(3, b, h, device="cuda")
-        tiles = -(-n // tile.tile_m) * b * h
+        tiles, blocks = tail_split.counts(tile, b, h, n, n)
         plans = [None]  # the kernel's own plan (tail_split: tail_split.plan's), and any forced ones
         if tile.tail_split:
-            blocks, full = -(-n // tile.tile_n), tiles // sms * sms
+            full = tiles // sms * sms
             plans = [None if x == "auto" else tail_split.Plan(full, tiles - full, int(x)) if int(x) > 1 and full < tiles
                      else tail_split.whole(tiles) for x in args.pieces.split(",")]
             plans = [x for x in plans if x is None or not x.check(tiles, blocks)]

@@ -58,8 +58,7 @@ def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2
         return None
     head = (q, k, v, out, lse) if descale is None else (q, k, v, out, lse, descale)
     b, h, n_q, d = q.shape
-    tiles = -(-n_q // tile.tile_m) * h * b
-    key_blocks = -(-k.shape[2] // tile.tile_n)
+    tiles, key_blocks = tail_split.counts(tile, b, h, n_q, k.shape[2])
     if plan is None:
         plan = tail_split.whole(tiles) if causal else tail_split.plan(tiles, key_blocks, ctas)
     else:  # a given plan (tests, benchmarks): a wrong one would launch a wrong grid

@@ -56,6 +56,11 @@ class Plan:
         return reasons
 
 
+def counts(tile, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """(tiles, key blocks per tile) of a call to a kernel of ``tile`` (a variants.Sm90FwdTile)."""
+    return -(-seqlen_q // tile.tile_m) * heads * batch, -(-seqlen_k // tile.tile_n)
+
+
 def whole(tiles: int) -> Plan:
     """Every tile in one CTA (no pieces)."""
     return Plan(tiles, 0, 1)
@@ -108,12 +113,14 @@ def combine(p: Plan, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Te
             tile_m: int) -> None:
     """Merge the pieces of the plan's tail tiles into out (batch, heads, seqlen_q, head_dim) and lse (batch,
     heads, seqlen_q), both with unit stride on their last dimension."""
+    from ..triton_fa2.runtime import launch
     from . import tail_split_kernel as k
 
     if out.stride(-1) != 1 or lse.stride(-1) != 1:
         raise ValueError(f"combine needs unit stride on the last dimension (out {out.stride()}, lse {lse.stride()})")
     b, h, n, d = out.shape
     grid = (p.tail_tiles, -(-tile_m // k.BLOCK_ROWS))
-    k.combine_pieces[grid](o_part, lse_part, out, lse, p.full_tiles, p.pieces, -(-n // tile_m), h, n,
-                           out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-                           TILE_M=tile_m, HEAD_DIM=d, BLOCK_ROWS=k.BLOCK_ROWS, num_warps=k.NUM_WARPS)
+    args = (o_part, lse_part, out, lse, p.full_tiles, p.pieces, -(-n // tile_m), h, n,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1))
+    # (no `attnforge build` entry: launch() finds no prebuilt kernel for it and uses Triton's JIT)
+    launch(k.combine_pieces, grid, args, dict(TILE_M=tile_m, HEAD_DIM=d, BLOCK_ROWS=k.BLOCK_ROWS), k.NUM_WARPS, 1)

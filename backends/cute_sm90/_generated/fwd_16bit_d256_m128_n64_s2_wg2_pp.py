@@ -634,12 +634,8 @@ class Forward:
         """The tile's output (in the output type) and LSE, rows past seqlen_q left alone."""
         rO = cute.make_rmem_tensor_like(acc_O, self.out_dtype)
         rO.store(acc_O.load().to(self.out_dtype))
-        gO = cute.local_tile(mO[None, None, head, batch], (TILE_M, HEAD_DIM), (m_block, 0))
-        tOgO = thr_pv.partition_C(gO)
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HEAD_DIM)))
-        for i in cutlass.range_constexpr(cute.size(rO)):
-            if m_block * TILE_M + tOcO[i][0] < seqlen_q:
-                tOgO[i] = rO[i]
+        self.store_rows(rO, cute.local_tile(mO[None, None, head, batch], (TILE_M, HEAD_DIM), (m_block, 0)),
+                        thr_pv, m_block, seqlen_q)
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * TILE_M + tScS[r, 0][0]
@@ -649,14 +645,19 @@ class Forward:
     @cute.jit
     def store_piece(self, acc_O, lse, thr_pv, tScS, split, slot, tidx, m_block, seqlen_q):
         """TAIL_SPLIT: a piece's normalised output (fp32) and LSE into its workspace slot, for the combine."""
-        gO = cute.local_tile(split.o_part[slot, None, None], (TILE_M, HEAD_DIM), (0, 0))
-        tOgO = thr_pv.partition_C(gO)
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HEAD_DIM)))
-        for i in cutlass.range_constexpr(cute.size(acc_O)):
-            if m_block * TILE_M + tOcO[i][0] < seqlen_q:
-                tOgO[i] = acc_O[i]
+        self.store_rows(acc_O, cute.local_tile(split.o_part[slot, None, None], (TILE_M, HEAD_DIM), (0, 0)),
+                        thr_pv, m_block, seqlen_q)
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = tScS[r, 0][0]
                 if m_block * TILE_M + row < seqlen_q:
                     split.lse_part[slot, row] = lse[r]
+
+    @cute.jit
+    def store_rows(self, rO, gO, thr_pv, m_block, seqlen_q):
+        """This thread's O fragment ``rO`` into the (TILE_M, HEAD_DIM) tile ``gO``, rows past seqlen_q left alone."""
+        tOgO = thr_pv.partition_C(gO)
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_M, HEAD_DIM)))
+        for i in cutlass.range_constexpr(cute.size(rO)):
+            if m_block * TILE_M + tOcO[i][0] < seqlen_q:
+                tOgO[i] = rO[i]

@@ -46,6 +46,22 @@ def test_poisoned_outputs_match_fp64(shape, dtype, causal, head_dim, gen):
         assert (out[:, :, :nq - nk] == 0).all() and (lse[:, :, :nq - nk] == float("-inf")).all()
 
 
+def fp8_lse_bound(q, k, tile) -> float:
+    """How far the FP8 kernel's LSE may be from fp64's on these (dequantised) q and k.
+
+    S = Q K^T comes from the FP8 WGMMA, which accumulates with about 14 bits of precision on Hopper
+    (DeepSeek-V3 technical report, section 3.3.2): the LSE may be off by that much of the largest
+    accumulated magnitude, scale * sum_k |q_ik k_jk| (twice 2^-14, for the rounding of each partial sum).
+    With row sums by MMA (variants: row_sum_mma) the LSE is that of the e4m3-rounded P the output is
+    normalised by, so it may differ from the exact one by the rounding of P's sum: each value within 2^-4
+    relative (3 mantissa bits), or below e4m3's smallest normal 2^-6 within 2^-10 absolute, against a sum
+    of at least 2^8 (P is 2^8 at the row max): |log(sum)| change <= -log(1 - 2^-4 - nk * 2^-18)."""
+    group, nk, head_dim = q.shape[1] // k.shape[1], k.shape[2], q.shape[-1]
+    magnitude = (q.double().abs() @ k.double().abs().repeat_interleave(group, 1).transpose(-1, -2)).max().item()
+    p_rounding = -math.log1p(-(2 ** -4 + nk * 2 ** -18)) if tile.row_sum_mma else 0.0
+    return 2 * 2 ** -14 * head_dim ** -0.5 * magnitude + 1e-5 + p_rounding
+
+
 FP8_SHAPES = [(1, 2, 2, 1, 1), (2, 4, 2, 113, 1023), (1, 4, 1, 1023, 113), (1, 8, 8, 1024, 1024)]
 
 
@@ -72,22 +88,11 @@ def test_fp8_with_descales_matches_fp64_on_the_dequantised_inputs(shape, causal,
     ref, ref_lse, _ = oracle(*deq, causal=causal)
     inherent = rel_error(fp8_peer(*deq, causal=causal), ref)
     assert rel_error(out, ref) <= 1.2 * inherent + 2 ** -8, (rel_error(out, ref), inherent)
-    # S = Q K^T comes from the FP8 WGMMA, which accumulates with about 14 bits of precision on Hopper
-    # (DeepSeek-V3 technical report, section 3.3.2): the LSE may be off by that much of the largest
-    # accumulated magnitude, scale * sum_k |q_ik k_jk| (twice 2^-14, for the rounding of each partial sum).
-    scale = head_dim ** -0.5
-    group = hq // hkv
-    magnitude = (deq[0].abs().double() @ deq[1].abs().double().repeat_interleave(group, 1).transpose(-1, -2)).max()
     finite = ref_lse.isfinite()
     assert torch.equal(lse[~finite], ref_lse[~finite].float()) and not lse.isnan().any()
     lse_err = (lse.double() - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
-    # With row sums by MMA (variants: row_sum_mma) the LSE is that of the e4m3-rounded P the output is
-    # normalised by, so it may differ from the exact one by the rounding of P's sum: each value within 2^-4
-    # relative (3 mantissa bits), or below e4m3's smallest normal 2^-6 within 2^-10 absolute, against a sum
-    # of at least 2^8 (P is 2^8 at the row max): |log(sum)| change <= -log(1 - 2^-4 - nk * 2^-18).
-    tile, _ = variants.pick("fp8", head_dim)
-    p_rounding = -math.log1p(-(2 ** -4 + nk * 2 ** -18)) if tile.row_sum_mma else 0.0
-    assert lse_err <= 2 * 2 ** -14 * scale * magnitude.item() + 1e-5 + p_rounding, (lse_err, scale * magnitude.item())
+    bound = fp8_lse_bound(deq[0], deq[1], variants.pick("fp8", head_dim)[0])
+    assert lse_err <= bound, (lse_err, bound)
     if causal and nq > nk:
         assert (out[:, :, :nq - nk] == 0).all()
 
@@ -216,11 +221,8 @@ def test_tail_split_pieces_match_fp64(kind, head_dim, plan, gen, monkeypatch):
     if kind == "fp8":
         inherent = rel_error(fp8_peer(q.float(), k.float(), v.float(), causal=False), ref)
         assert rel_error(out, ref) <= 1.2 * inherent + 2 ** -8, (rel_error(out, ref), inherent)
-        # the LSE as in test_fp8_with_descales...: S's 14-bit accumulation, with row_sum_mma P's rounding
-        magnitude = (q.double().abs() @ k.double().abs().transpose(-1, -2)).max().item() * head_dim ** -0.5
-        p_rounding = -math.log1p(-(2 ** -4 + nk * 2 ** -18)) if tile.row_sum_mma else 0.0
         lse_err = (lse.double() - ref_lse).abs().max().item()
-        assert lse_err <= 2 * 2 ** -14 * magnitude + 1e-5 + p_rounding, lse_err
+        assert lse_err <= fp8_lse_bound(q, k, tile), lse_err
     else:
         peer, _ = peer_error(q, k, v, causal=False)
         assert_close("out", out, ref, peer, ulps=4 * math.sqrt(nk))
