@@ -3,18 +3,19 @@
 # Parameters:
 #   accepted_spill_bytes = 0
 #   cluster = (1, 1)
-#   consumer_registers = 240
-#   consumer_warpgroups = 2
-#   head_dim = 128
-#   kind = 16bit
+#   consumer_registers = 160
+#   consumer_warpgroups = 3
+#   head_dim = 64
+#   kind = fp8
 #   kv_stages = 2
 #   persistent = True
 #   pingpong = True
-#   producer_registers = 24
-#   row_sum_mma = False
+#   producer_registers = 32
+#   row_sum_mma = True
 #   tail_split = False
-#   tile_m = 128
+#   tile_m = 192
 #   tile_n = 128
+#   tma_store = True
 
 """Attention forward for sm90 (H100/H200): TMA + WGMMA, warp-specialized, online softmax in exp2.
 
@@ -36,13 +37,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-HEAD_DIM = 128
-TILE_M = 128  # rows of Q per CTA = 64 * CONSUMER_WARPGROUPS
+HEAD_DIM = 64
+TILE_M = 192  # rows of Q per CTA = 64 * CONSUMER_WARPGROUPS
 TILE_N = 128  # keys per K/V block
 KV_STAGES = 2
-CONSUMER_WARPGROUPS = 2
-PRODUCER_REGS = 24
-CONSUMER_REGS = 240
+CONSUMER_WARPGROUPS = 3
+PRODUCER_REGS = 32
+CONSUMER_REGS = 160
 PINGPONG = True  # the consumer warpgroups take turns issuing GEMMs (named barriers)
 # Without causal masking: max_ctas CTAs (the SM count) each loop over (m block, head, batch) tiles, so a
 # tile's prologue (Q and the first K/V loads) overlaps the previous tile's last blocks and epilogue.
@@ -56,7 +57,7 @@ MAX_CTAS_ARGUMENT = True  # __call__ takes max_ctas (pass the SM count) after sc
 # j % pieces of tile full_tiles + j // pieces and writes its slot j of the workspaces, which a second kernel
 # combines (tail_split_kernel.py). With full_tiles = tiles every tile runs whole and the workspaces are unused.
 TAIL_SPLIT = False
-FP8 = False  # e4m3 Q, K, V with per-(batch, kv head) descales; V arrives transposed (see below)
+FP8 = True  # e4m3 Q, K, V with per-(batch, kv head) descales; V arrives transposed (see below)
 # FP8: P is computed as 2^8 * softmax so that small probabilities keep precision in e4m3 (FlashAttention-4
 # pre-scales P by 2^8 for FP8); row sums carry the same factor, so O is unchanged and LSE subtracts 8.
 P_EXPONENT_BIAS = 8.0 if FP8 else 0.0
@@ -66,12 +67,17 @@ P_EXPONENT_BIAS = 8.0 if FP8 else 0.0
 # every block and the running sum stays in fp32 registers: accumulated across blocks in the tensor core, whose
 # FP8 accumulation keeps ~14 bits (DeepSeek-V3, arXiv 2412.19437, section 3.3.2), the positive addends were
 # truncated against the growing sum and the error grew tenfold (H200, session 6 NOTES.md).
-ROW_SUM_MMA = False
+ROW_SUM_MMA = True
 ROW_SUM_N = 8  # the smallest WGMMA N
 # 1.0 in every element of a 32-bit word, per input element type
 ONES_WORD = {cutlass.Float8E4M3FN: 0x38383838, cutlass.BFloat16: 0x3F803F80, cutlass.Float16: 0x3C003C00}
+# The epilogue stages each consumer warpgroup's 64 rows of O in shared memory (its own buffer, by stmatrix) and
+# stores them with one TMA store, instead of every thread storing its fragment: 32-bit stores that each write 16
+# bytes of 8 rows per warp. TMA clips rows past seqlen_q. The LSE is still stored from registers (4 bytes a row).
+TMA_STORE = True
 THREADS_PER_WG = 128
 SCHEDULER_BARRIER_BASE = 1  # named barriers 1..CONSUMER_WARPGROUPS; 0 is __syncthreads
+EPILOGUE_BARRIER_BASE = SCHEDULER_BARRIER_BASE + CONSUMER_WARPGROUPS  # TMA_STORE: one per consumer warpgroup
 
 
 class Split(typing.NamedTuple):
@@ -80,6 +86,14 @@ class Split(typing.NamedTuple):
     lse_part: cute.Tensor
     full_tiles: cutlass.Int32
     pieces: cutlass.Int32
+
+
+class Output(typing.NamedTuple):
+    """Where the epilogue writes O: the (seqlen, head_dim, heads, batch) tensor, and with TMA_STORE the TMA store
+    atom (mO is then its TMA view) and the per-warpgroup staging buffers (64, HEAD_DIM, CONSUMER_WARPGROUPS)."""
+    mO: cute.Tensor
+    tma: typing.Any
+    sO: typing.Any
 
 
 class RowSums(typing.NamedTuple):
@@ -164,9 +178,8 @@ class Forward:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, scale_log2: Float32, max_ctas: cutlass.Int32,
+                 mLSE: cute.Tensor, mDescale: cute.Tensor, scale_log2: Float32, max_ctas: cutlass.Int32,
                  stream: cuda.CUstream):
-        mDescale = None
         # torch order (b, h, s, d) -> (s, d, h, b); LSE (b, h, s) -> (s, h, b); FP8 V^T (b, h, d, s) -> (d, s, h, b)
         mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
                           for t in (mQ, mK, mV, mO)]
@@ -194,6 +207,11 @@ class Forward:
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_one, (TILE_N, HEAD_DIM))
         sV_one = cute.slice_(sV_layout, (None, None, 0))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_one, (HEAD_DIM, TILE_N) if const_expr(FP8) else (TILE_N, HEAD_DIM))
+        sO_layout, tma_o = None, None
+        if const_expr(TMA_STORE):  # one (64, HEAD_DIM) stage per consumer warpgroup
+            sO_layout = sm90.make_smem_layout_epi(self.out_dtype, LayoutEnum.ROW_MAJOR, (64, HEAD_DIM), CONSUMER_WARPGROUPS)
+            tma_o, mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
+                                                   cute.slice_(sO_layout, (None, None, 0)), (64, HEAD_DIM))
 
         @cute.struct
         class Storage:
@@ -203,6 +221,8 @@ class Forward:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sOnes: cute.struct.Align[cute.struct.MemRange[self.dtype, ROW_SUM_N * TILE_N], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(sO_layout)], 1024]
 
         self.storage = Storage
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
@@ -215,7 +235,8 @@ class Forward:
         else:  # (a causal kernel of a TAIL_SPLIT module takes them and ignores them)
             mOPart, mLSEPart, full_tiles, pieces = None, None, None, None
         self.kernel(tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, mO, mLSE, mDescale,
-                    mOPart, mLSEPart, full_tiles, pieces, sQ_layout, sK_layout, sV_layout, scale_log2).launch(
+                    mOPart, mLSEPart, full_tiles, pieces, sQ_layout, sK_layout, sV_layout, tma_o, sO_layout,
+                    scale_log2).launch(
             grid=grid, block=[THREADS_PER_WG * (1 + CONSUMER_WARPGROUPS), 1, 1],
             stream=stream, min_blocks_per_mp=1)
 
@@ -225,7 +246,7 @@ class Forward:
                tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mDescale,
                mOPart, mLSEPart, full_tiles, pieces,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               scale_log2: Float32):
+               tma_o, sO_layout, scale_log2: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         seqlen_q = mQ.shape[0]
@@ -246,6 +267,10 @@ class Forward:
             ones_layout = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, ROW_SUM_N, TILE_N), self.dtype, 1)
             assert cute.cosize(ones_layout) == ROW_SUM_N * TILE_N, "the ones block's swizzled layout outgrew sOnes"
             sOnes = storage.sOnes.get_tensor(ones_layout.outer, swizzle=ones_layout.inner)
+
+        out = Output(mO, None, None)
+        if const_expr(TMA_STORE):
+            out = Output(mO, tma_o, storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner))
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -289,7 +314,7 @@ class Forward:
                 self.first_turn(cute.arch.make_warp_uniform((tidx - THREADS_PER_WG) // THREADS_PER_WG))
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
-            args = (m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, sOnes, mO, mLSE, mDescale, split,
+            args = (m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, sOnes, out, mLSE, mDescale, split,
                     pipe_q, pipe_k, pipe_v)
             if const_expr(self.persistent):
                 for tile in cutlass.range(cute.arch.block_idx()[0], tile_count, cute.arch.grid_dim()[0], unroll=1):
@@ -312,7 +337,7 @@ class Forward:
         return q_state, kv_state
 
     @cute.jit
-    def consume_tile(self, tile, m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, sOnes, mO, mLSE, mDescale,
+    def consume_tile(self, tile, m_blocks, tiled_mma_qk, tiled_mma_pv, mQ, mK, sQ, sK, sV, sOnes, out, mLSE, mDescale,
                      split, pipe_q, pipe_k, pipe_v, q_state, kv_state, tidx, seqlen_q, seqlen_k, scale_log2):
         """The consumers' part of one tile; returns the pipeline states after it."""
         m_block, head, batch = self.tile_coordinates(tile, m_blocks, mQ.shape[2], split)
@@ -322,7 +347,7 @@ class Forward:
         if const_expr(FP8):  # dequantisation: S scales by q_descale * k_descale, O by v_descale
             scale_log2 = scale_log2 * mDescale[0, batch, head_kv] * mDescale[1, batch, head_kv]
             v_scale = mDescale[2, batch, head_kv]
-        kv_state = self.consume(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sOnes, mO, mLSE, split, pipe_q, pipe_k, pipe_v,
+        kv_state = self.consume(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sOnes, out, mLSE, split, pipe_q, pipe_k, pipe_v,
                                 q_state, kv_state, tidx, m_block, head, batch, seqlen_q, seqlen_k, n_block_min,
                                 n_block_max, scale_log2, v_scale)
         if const_expr(self.persistent):
@@ -406,7 +431,7 @@ class Forward:
         return kv_state
 
     @cute.jit
-    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sOnes, mO, mLSE, split, pipe_q, pipe_k, pipe_v, q_state,
+    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sOnes, out, mLSE, split, pipe_q, pipe_k, pipe_v, q_state,
                 kv_state, tidx, m_block, head, batch, seqlen_q, seqlen_k, n_block_min, n_block_max, scale_log2, v_scale):
         """One tile: the key-block loop and the epilogue. ``kv_state`` is the next K/V stage to read; returns
         it after the tile's blocks. Q is released once the tile's last Q K^T is done."""
@@ -491,7 +516,7 @@ class Forward:
                 state.advance()
                 kv_state = state
 
-        self.epilogue(acc_O, row_max, row_sum, thr_pv, tScS, mO, mLSE, split, tidx, m_block, head, batch,
+        self.epilogue(acc_O, row_max, row_sum, thr_pv, tScS, out, mLSE, split, tidx, m_block, head, batch,
                       seqlen_q, scale_log2, v_scale)
         return kv_state
 
@@ -604,7 +629,7 @@ class Forward:
                 o[r, c] = o[r, c] * row_scale[r]
 
     @cute.jit
-    def epilogue(self, acc_O, row_max, row_sum, thr_pv, tScS, mO, mLSE, split, tidx, m_block, head, batch,
+    def epilogue(self, acc_O, row_max, row_sum, thr_pv, tScS, out, mLSE, split, tidx, m_block, head, batch,
                  seqlen_q, scale_log2, v_scale):
         o = cute.make_tensor(acc_O.iterator, acc_rows_cols(acc_O.layout))
         lse = cute.make_rmem_tensor_like(row_max, Float32)
@@ -625,17 +650,20 @@ class Forward:
             if slot >= 0:
                 self.store_piece(acc_O, lse, thr_pv, tScS, split, slot, tidx, m_block, seqlen_q)
             else:
-                self.store_tile(acc_O, lse, thr_pv, tScS, mO, mLSE, tidx, m_block, head, batch, seqlen_q)
+                self.store_tile(acc_O, lse, thr_pv, tScS, out, mLSE, tidx, m_block, head, batch, seqlen_q)
         else:
-            self.store_tile(acc_O, lse, thr_pv, tScS, mO, mLSE, tidx, m_block, head, batch, seqlen_q)
+            self.store_tile(acc_O, lse, thr_pv, tScS, out, mLSE, tidx, m_block, head, batch, seqlen_q)
 
     @cute.jit
-    def store_tile(self, acc_O, lse, thr_pv, tScS, mO, mLSE, tidx, m_block, head, batch, seqlen_q):
+    def store_tile(self, acc_O, lse, thr_pv, tScS, out, mLSE, tidx, m_block, head, batch, seqlen_q):
         """The tile's output (in the output type) and LSE, rows past seqlen_q left alone."""
         rO = cute.make_rmem_tensor_like(acc_O, self.out_dtype)
         rO.store(acc_O.load().to(self.out_dtype))
-        self.store_rows(rO, cute.local_tile(mO[None, None, head, batch], (TILE_M, HEAD_DIM), (m_block, 0)),
-                        thr_pv, m_block, seqlen_q)
+        if const_expr(TMA_STORE):
+            self.tma_store_rows(rO, out, tidx, m_block, head, batch)
+        else:
+            self.store_rows(rO, cute.local_tile(out.mO[None, None, head, batch], (TILE_M, HEAD_DIM), (m_block, 0)),
+                            thr_pv, m_block, seqlen_q)
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * TILE_M + tScS[r, 0][0]
@@ -652,6 +680,34 @@ class Forward:
                 row = tScS[r, 0][0]
                 if m_block * TILE_M + row < seqlen_q:
                     split.lse_part[slot, row] = lse[r]
+
+    @cute.jit
+    def tma_store_rows(self, rO, out, tidx, m_block, head, batch):
+        """TMA_STORE: this warpgroup's 64 rows of O (``rO``, this thread's fragment in the output type) into its
+        staging buffer by stmatrix, then one TMA store by the warpgroup's first thread, which waits until the
+        store has read the buffer (before the CTA exits, or with PERSISTENT before the next tile writes it)."""
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)  # (consumer warpgroup)
+        barrier_id = EPILOGUE_BARRIER_BASE + wg
+        sO = out.sO[None, None, wg]
+        if const_expr(self.persistent):  # the previous tile's store has read sO: its issuing thread waited for that
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WG)
+        # one warpgroup's P @ V MMA: its thread-to-element map is each consumer warpgroup's own
+        tiled_mma_wg = sm90.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K if const_expr(FP8) else cute.nvgpu.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (64, HEAD_DIM), warpgroup.OperandSource.RMEM)
+        store_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.out_dtype, Float32)
+        thr_copy = cute.make_tiled_copy_C(store_atom, tiled_mma_wg).get_slice(tidx % THREADS_PER_WG)
+        cute.copy(store_atom, thr_copy.retile(rO), thr_copy.partition_D(sO))
+        cute.arch.fence_view_async_shared()  # the stmatrix writes, visible to the TMA unit (async proxy)
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WG)
+        if tidx % THREADS_PER_WG == 0:
+            gO = cute.local_tile(out.mO[None, None, head, batch], (64, HEAD_DIM), (m_block * CONSUMER_WARPGROUPS + wg, 0))
+            tOsO, tOgO = cpasync.tma_partition(out.tma, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                               cute.group_modes(gO, 0, 2))
+            cute.copy(out.tma, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def store_rows(self, rO, gO, thr_pv, m_block, seqlen_q):

@@ -1,0 +1,165 @@
+"""A/B of cute_sm90 variant flags on the picked tiles, interleaved: each picked tile (variants.picks()) beside the
+same tile with some fields changed (e.g. ``--flags tma_store``), on the same inputs, several rounds that each time
+every kernel once (triton.testing.do_bench medians, CUDA events) in an order rotated every round, because the
+H200's clock drifts under its 700 W cap (benchmarks/results/2026-11-29-h200-cute_sm90-session5/NOTES.md).
+Before timing, every output is poisoned with NaN, and each variant's output is compared with the pick's
+(and the pick's with fp32 math on two heads). Kernel speed, not model speed; FLOPs = 4*B*H*N^2*d, halved
+when causal; 16k tokens per batch, heads = 2048/d; FP8 with unit descales.
+
+    python benchmarks/ab_variant.py --flags tma_store [--kind fp8,16bit] [--head-dim 64,128,256]
+        [--seqlen 4096,16384] [--causal both] [--rounds 5] [--json out.json]
+
+The kernels compile in parallel worker processes first (one per variant and mask), each exported to a
+temporary object file that this process loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.util
+import json
+import math
+import multiprocessing
+import pathlib
+import statistics
+import sys
+import tempfile
+
+import torch
+import triton.testing
+
+from attnforge.backends.cute_sm90 import compile as cc
+from attnforge.backends.cute_sm90.backend import max_ctas, run_kernel
+from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
+from attnforge.backends.cute_sm90.variants import check, picks
+from attnforge.bench.measure import flops
+from attnforge.codegen.render import load_rendered
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from sweep_cute_sm90 import variants_of  # noqa: E402
+
+DTYPE = {"fp8": "fp8", "16bit": "bf16"}
+
+
+def _load_module(path: str):
+    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _compile(path: str, dtype: str, causal: bool, obj: str) -> str:
+    """Worker: compile the rendered module at ``path`` and export it to ``obj``."""
+    cc.export(cc.compile_module(_load_module(path), dtype, causal), pathlib.Path(obj))
+    return obj
+
+
+def build(jobs: list[tuple[str, str, bool, str]], workers: int) -> None:
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for future in concurrent.futures.as_completed([pool.submit(_compile, *job) for job in jobs]):
+            future.result()
+
+
+def inputs(kind: str, b: int, h: int, n: int, d: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    if kind == "fp8":  # the values the kernel sees, so the fp32 check uses the same ones
+        q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    return q, k, v
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--flags", required=True, help="variants of each pick, as sweep_cute_sm90.py --variants "
+                   "(comma-separated sets of '+'-joined fields), e.g. 'tma_store'")
+    p.add_argument("--kind", default="fp8,16bit")
+    p.add_argument("--head-dim", default="64,128,256")
+    p.add_argument("--seqlen", default="4096,16384")
+    p.add_argument("--causal", default="both", choices=("both", "full", "causal"))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--workers", type=int, default=12)
+    p.add_argument("--json")
+    args = p.parse_args()
+    causals = {"both": (False, True), "full": (False,), "causal": (True,)}[args.causal]
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="cute_sm90_ab_"))
+    ctas = max_ctas(torch.device("cuda"))
+
+    groups = []  # (kind, d, [tiles]): the pick first
+    for kind, d, pick in picks():
+        if kind not in args.kind.split(",") or str(d) not in args.head_dim.split(","):
+            continue
+        tiles = [pick]
+        for tile in variants_of(pick, args.flags):
+            why = check(tile, d, kind)
+            if why:
+                print(f"{kind} d={d} {tile.describe()}: skipped: {'; '.join(why)}")
+            elif tile != pick:
+                tiles.append(tile)
+        if len(tiles) > 1:
+            groups.append((kind, d, tiles))
+    jobs, paths = [], {}
+    for kind, d, tiles in groups:
+        for tile in tiles:
+            name = tile.module(d, kind)
+            path = folder / f"{name}.py"
+            load_rendered("cute_sm90_fwd.py.jinja", path, **tile.params(d, kind))
+            for causal in causals:
+                paths[name, causal] = str(folder / f"{name}_{int(causal)}.o")
+                jobs.append((str(path), DTYPE[kind], causal, paths[name, causal]))
+    build(jobs, args.workers)
+    kernels = {key: cc.load(pathlib.Path(obj)) for key, obj in paths.items()}
+
+    rows = []
+    for kind, d, tiles in groups:
+        for n in map(int, args.seqlen.split(",")):
+            b, h = max(16384 // n, 1), 2048 // d
+            q, k, v = inputs(kind, b, h, n, d)
+            extra = {"descale": torch.ones(3, b, h, device="cuda")} if kind == "fp8" else {}
+            v_in = prepare_v_fp8(v) if kind == "fp8" else v
+            scale_log2 = d ** -0.5 * math.log2(math.e)
+            for causal in causals:
+                outs = {}
+                runners = {}
+                for tile in tiles:
+                    name = tile.module(d, kind)
+                    out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+                    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+                    run = (lambda kernel=kernels[name, causal], tile=tile, out=out, lse=lse:
+                           run_kernel(kernel, tile, q, k, v_in, out, lse, scale_log2, causal=causal, ctas=ctas, **extra))
+                    run()
+                    outs[name] = (out.clone(), lse.clone())
+                    runners[name] = run
+                base = tiles[0].module(d, kind)
+                ref = torch.nn.functional.scaled_dot_product_attention(
+                    q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), is_causal=causal)
+                rel = ((outs[base][0][:1, :2].float() - ref).norm() / ref.norm()).item()  # NaN stays NaN
+                names = list(runners)
+                times = {name: [] for name in names}
+                for r in range(args.rounds):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        times[name].append(triton.testing.do_bench(runners[name], warmup=25, rep=200))
+                work = flops(b, h, n, n, d, d, causal, "fwd")
+                for tile, name in zip(tiles, names):
+                    tf = [work / ms / 1e9 for ms in times[name]]
+                    ratios = [t0 / t for t, t0 in zip(times[name], times[base])]
+                    o, lse = outs[name]
+                    row = dict(kind=kind, head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, tile=tile.describe(),
+                               module=name, tflops_per_round=tf, tflops_median=statistics.median(tf),
+                               speed_ratio_to_pick_per_round=ratios, pick_rel_err_vs_fp32=rel,
+                               nan_out=bool(o.isnan().any()), nan_lse=bool(lse.isnan().any()),
+                               max_abs_diff_to_pick=(o.float() - outs[base][0].float()).abs().max().item(),
+                               max_lse_diff_to_pick=(lse - outs[base][1]).abs().max().item())
+                    rows.append(row)
+                    print(f"{kind} d={d} N={n} {'causal' if causal else 'full  '} {tile.describe():75s} "
+                          f"{row['tflops_median']:6.0f} TFLOP/s (min {min(tf):.0f}, max {max(tf):.0f})  vs pick: median "
+                          f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})  "
+                          f"diff {row['max_abs_diff_to_pick']:.1e} lse {row['max_lse_diff_to_pick']:.1e}"
+                          f"{' NaN!' if row['nan_out'] or row['nan_lse'] else ''}  (pick rel err {rel:.1e})", flush=True)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                       "torch": torch.__version__, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

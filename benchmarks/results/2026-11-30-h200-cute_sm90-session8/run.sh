@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Session 8 device runs: bash benchmarks/results/2026-11-30-h200-cute_sm90-session8/run.sh STEP
+# (carry .gpu, or .gpu-cudnn for the steps beside cuDNN on a machine that ran a .gpu step; writes into $OUT).
+set -uo pipefail
+for f in .gpu/setup.sh .gpu-cudnn/setup.sh; do [ -f $f ] && source $f; done
+mkdir -p /tmp/af && ln -sfn "$PWD" /tmp/af/attnforge
+export PYTHONPATH=/tmp/site:/tmp/af:$PYTHONPATH TRITON_DEFAULT_FP_FUSION=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+case "$1" in
+  tma)  # the TMA-store epilogue (tma_store) beside each pick, interleaved, outputs compared with the pick's
+    python3 benchmarks/ab_variant.py --flags tma_store --seqlen 4096,16384 --rounds 5 --json $OUT/tma_store.json 2>&1 | grep -v Warning
+    ;;
+  tests)  # the picks with the TMA-store epilogue: the GPU suite (fp64 references, NaN-poisoned outputs)
+    timeout 560 python3 -m pytest tests/backends/cute_sm90 tests/test_api.py -q -p no:cacheprovider \
+      -k "cute_sm90 or fp8 or cuda" 2>&1 | tail -n 8
+    ;;
+  ab)  # carry .gpu-cudnn: FP8 d=128 beside cuDNN's FP8, interleaved rounds; then launch cost and peak memory
+    python3 benchmarks/ab_fp8.py --head-dim 128 --seqlen 16384 --rounds 9 --json $OUT/ab_16k.json 2>&1 | grep -v Warning
+    python3 benchmarks/ab_fp8.py --head-dim 128 --seqlen 16384 --rounds 5 --causal --json $OUT/ab_16k_causal.json 2>&1 | grep -v Warning
+    python3 benchmarks/ab_fp8.py --head-dim 128 --seqlen 4096 --rounds 5 --json $OUT/ab_4k.json 2>&1 | grep -v Warning
+    python3 benchmarks/launch_cost.py --json $OUT/launch_cost.json 2>&1 | grep -v Warning
+    python3 benchmarks/peak_memory.py --json $OUT/peak_memory.json 2>&1 | grep -v Warning
+    ;;
+esac
