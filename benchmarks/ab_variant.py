@@ -7,7 +7,10 @@ Before timing, every output is poisoned with NaN, and each variant's output is c
 when causal; 16k tokens per batch, heads = 2048/d; FP8 with unit descales.
 
     python benchmarks/ab_variant.py --flags tma_store [--kind fp8,16bit] [--head-dim 64,128,256]
-        [--seqlen 4096,16384] [--causal both] [--rounds 5] [--json out.json]
+        [--seqlen 4096,16384] [--heads H] [--batch B] [--causal both] [--rounds 5] [--json out.json]
+
+``--flags`` takes sets of fields as sweep_cute_sm90.py --variants does: 'persistent+tail_split=0,kv_stages=3'
+is two variants (0 switches a flag off).
 
 The kernels compile in parallel worker processes first (one per variant and mask), each exported to a
 temporary object file that this process loads.
@@ -76,6 +79,8 @@ def main() -> None:
     p.add_argument("--kind", default="fp8,16bit")
     p.add_argument("--head-dim", default="64,128,256")
     p.add_argument("--seqlen", default="4096,16384")
+    p.add_argument("--heads", type=int, help="heads (default 2048 / head_dim)")
+    p.add_argument("--batch", type=int, help="batch (default 16384 / seqlen tokens per batch)")
     p.add_argument("--causal", default="both", choices=("both", "full", "causal"))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--workers", type=int, default=12)
@@ -113,7 +118,7 @@ def main() -> None:
     rows = []
     for kind, d, tiles in groups:
         for n in map(int, args.seqlen.split(",")):
-            b, h = max(16384 // n, 1), 2048 // d
+            b, h = args.batch or max(16384 // n, 1), args.heads or 2048 // d
             q, k, v = inputs(kind, b, h, n, d)
             extra = {"descale": torch.ones(3, b, h, device="cuda")} if kind == "fp8" else {}
             v_in = prepare_v_fp8(v) if kind == "fp8" else v

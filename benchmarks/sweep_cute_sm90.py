@@ -96,7 +96,7 @@ def variants_of(tile: Sm90FwdTile, spec: str) -> list[Sm90FwdTile]:
     a number ('base': as it is)."""
     def value(flag):
         name, _, number = flag.partition("=")
-        return name, float(number) if number else True
+        return name, (int(float(number)) if float(number).is_integer() else float(number)) if number else True
     return [dataclasses.replace(tile, **dict(value(f) for f in flags.split("+") if f != "base"))
             for flags in spec.split(",")]
 

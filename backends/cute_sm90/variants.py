@@ -57,12 +57,23 @@ class Sm90FwdTile:
                 f"{'_to' if self.tma_store else ''}")
 
     def params(self, head_dim: int, kind: str = "16bit") -> dict:
-        return {**dataclasses.asdict(self), "head_dim": head_dim, "kind": kind}
+        return {**dataclasses.asdict(self), "head_dim": head_dim, "kind": kind, "o_in_q": self.o_in_q(head_dim, kind)}
+
+    def o_in_q(self, head_dim: int, kind: str = "16bit") -> bool:
+        """Whether tma_store stages O in Q's buffer (O_IN_Q in the template): each consumer warpgroup writes its 64
+        rows of O over its own 64 rows of Q, which only its Q K^T reads. Only where O's own buffer does not fit,
+        with 16-bit inputs (Q's rows and O's the same size) and one CTA per tile (a persistent CTA loads the next
+        tile's Q during the epilogue)."""
+        return (self.tma_store and kind == "16bit" and not self.persistent
+                and self._smem_bytes(head_dim, kind, own_o_buffer=True) > SMEM_BYTES)
 
     def smem_bytes(self, head_dim: int, kind: str = "16bit") -> int:
+        return self._smem_bytes(head_dim, kind, own_o_buffer=self.tma_store and not self.o_in_q(head_dim, kind))
+
+    def _smem_bytes(self, head_dim: int, kind: str, own_o_buffer: bool) -> int:
         tiles = self.tile_m * head_dim + 2 * self.kv_stages * self.tile_n * head_dim  # Q, K and V stages
         ones = ELEMENT_BYTES[kind] * 8 * self.tile_n + 1024 if self.row_sum_mma else 0  # all-ones block, 1024-aligned
-        out = OUT_BYTES * self.tile_m * head_dim + 1024 if self.tma_store else 0  # O's staging buffer, 1024-aligned
+        out = OUT_BYTES * self.tile_m * head_dim + 1024 if own_o_buffer else 0  # O's staging buffer, 1024-aligned
         return ELEMENT_BYTES[kind] * tiles + ones + out + 8 * (2 + 4 * self.kv_stages) + 1024  # mbarriers, alignment
 
     def registers_needed(self, head_dim: int, kind: str = "16bit") -> int:
@@ -123,8 +134,15 @@ WG3 = dict(consumer_warpgroups=3, producer_registers=32, consumer_registers=160)
 # Session 8 (session8/tma_store.json, 5 interleaved rounds, outputs bit-identical to the pick's): the TMA-store
 # epilogue (tma_store) beside each pick, median ratio per round, N=4k / N=16k, full / causal: FP8 d=128
 # 1.053/1.072, 1.044/1.010 (N=16k full 956 vs 914); FP8 d=256 1.091/1.090, 1.006/1.026; FP8 d=64 1.030/1.021,
-# 1.024/0.996; bf16 d=128 1.021/1.041, 1.007/1.017; bf16 d=64 1.024/1.056, 0.998/1.017. Taken wherever its
-# staging buffer fits: not 16-bit d=256 (258 KiB of shared memory).
+# 1.024/0.996; bf16 d=128 1.021/1.041, 1.007/1.017; bf16 d=64 1.024/1.056, 0.998/1.017. Taken by every pick.
+# 16-bit d=256 has no room for O's own buffer (258 KiB of shared memory), so it stages O in Q's (o_in_q;
+# session8/tma_store_d256.json, N=1k/4k/16k full: 1.124/1.059/1.042, causal 1.123/1.050/1.018).
+# Tail split beside the one-CTA-per-tile picks (session8/split_*.json, non-causal): bf16 d=64 at 8 heads
+# 1.060 (N=4k) and 1.119 (N=16k, 537 vs 479), but not taken: the launch-cost problem (B=1, H=8, N=128, d=64,
+# bf16) then goes through run_kernel's split path and the kernel's four extra arguments, and attention() took
+# 22.9 us per call against SDPA's 21.2 in the same run (session8/launch_cost_final.json; 20.2 vs 20.4 without).
+# bf16 d=256 1.015/1.011 and FP8 d=256 1.016/1.004 (at the benchmark's 8 heads, 16k tokens): within the noise. FP8 d=128 persistent instead of the tail split
+# 0.992/0.965, 3 stages 0.999/0.995, without the split 0.988/0.956 (session8/fp8_d128_persistent.json).
 FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     "16bit": {
         # H200 sweep (same file): 128x128 s2 at d=128: 638-642 TFLOP/s at N=16k with or without
@@ -145,7 +163,7 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
         # FA3's 128x80 at d=256 vs 128x64: 638/562 vs 645/578 TFLOP/s at N=16k (full/causal), 608 vs 619
         # at N=4k (H200 sweep, benchmarks/results/2026-11-29-h200-cute_sm90/sweep.json). Session 4, P by
         # inline PTX (exp2 no longer computed twice): 128x64 698/669.
-        256: [Sm90FwdTile(128, 64, 2, **WG2), Sm90FwdTile(128, 80, 2, **WG2)],
+        256: [Sm90FwdTile(128, 64, 2, tma_store=True, **WG2), Sm90FwdTile(128, 80, 2, tma_store=True, **WG2)],
     },
     # FP8 (e4m3 in, bf16 out), H200 sweep at N=16k (benchmarks/results/2026-11-29-h200-cute_sm90-fp8/
     # sweep_fp8.json), kernel alone, full/causal TFLOP/s: d=64 192x128 with 3 warpgroups 631/616 (128x128

@@ -8,6 +8,7 @@
 #   head_dim = 128
 #   kind = 16bit
 #   kv_stages = 2
+#   o_in_q = False
 #   persistent = True
 #   pingpong = True
 #   producer_registers = 24
@@ -75,6 +76,9 @@ ONES_WORD = {cutlass.Float8E4M3FN: 0x38383838, cutlass.BFloat16: 0x3F803F80, cut
 # stores them with one TMA store, instead of every thread storing its fragment: 32-bit stores that each write 16
 # bytes of 8 rows per warp. TMA clips rows past seqlen_q. The LSE is still stored from registers (4 bytes a row).
 TMA_STORE = True
+# TMA_STORE where O's own buffer does not fit (16-bit, one CTA per tile; variants.py o_in_q): each warpgroup stages
+# its 64 rows of O in its own 64 rows of Q's buffer, which only its Q K^T reads, all done by then.
+O_IN_Q = False
 THREADS_PER_WG = 128
 SCHEDULER_BARRIER_BASE = 1  # named barriers 1..CONSUMER_WARPGROUPS; 0 is __syncthreads
 EPILOGUE_BARRIER_BASE = SCHEDULER_BARRIER_BASE + CONSUMER_WARPGROUPS  # TMA_STORE: one per consumer warpgroup
@@ -90,7 +94,8 @@ class Split(typing.NamedTuple):
 
 class Output(typing.NamedTuple):
     """Where the epilogue writes O: the (seqlen, head_dim, heads, batch) tensor, and with TMA_STORE the TMA store
-    atom (mO is then its TMA view) and the per-warpgroup staging buffers (64, HEAD_DIM, CONSUMER_WARPGROUPS)."""
+    atom (mO is then its TMA view) and the per-warpgroup staging buffers (64, HEAD_DIM, CONSUMER_WARPGROUPS), or with
+    O_IN_Q Q's buffer."""
     mO: cute.Tensor
     tma: typing.Any
     sO: typing.Any
@@ -209,10 +214,14 @@ class Forward:
         sV_one = cute.slice_(sV_layout, (None, None, 0))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_one, (HEAD_DIM, TILE_N) if const_expr(FP8) else (TILE_N, HEAD_DIM))
         sO_layout, tma_o = None, None
-        if const_expr(TMA_STORE):  # one (64, HEAD_DIM) stage per consumer warpgroup
-            sO_layout = sm90.make_smem_layout_epi(self.out_dtype, LayoutEnum.ROW_MAJOR, (64, HEAD_DIM), CONSUMER_WARPGROUPS)
-            tma_o, mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
-                                                   cute.slice_(sO_layout, (None, None, 0)), (64, HEAD_DIM))
+        if const_expr(TMA_STORE):
+            if const_expr(O_IN_Q):  # the first warpgroup's 64 rows of Q's buffer (the others': the same layout, offset)
+                sO_one = cute.composition(sQ_layout, cute.make_layout((64, HEAD_DIM), stride=(1, TILE_M)))
+            else:  # one (64, HEAD_DIM) stage per consumer warpgroup
+                sO_layout = sm90.make_smem_layout_epi(self.out_dtype, LayoutEnum.ROW_MAJOR, (64, HEAD_DIM),
+                                                      CONSUMER_WARPGROUPS)
+                sO_one = cute.slice_(sO_layout, (None, None, 0))
+            tma_o, mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, sO_one, (64, HEAD_DIM))
 
         @cute.struct
         class Storage:
@@ -270,7 +279,8 @@ class Forward:
 
         out = Output(mO, None, None)
         if const_expr(TMA_STORE):
-            out = Output(mO, tma_o, storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner))
+            out = Output(mO, tma_o, sQ if const_expr(O_IN_Q) else storage.sO.get_tensor(sO_layout.outer,
+                                                                                      swizzle=sO_layout.inner))
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -688,7 +698,10 @@ class Forward:
         store has read the buffer (before the CTA exits, or with PERSISTENT before the next tile writes it)."""
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)  # (consumer warpgroup)
         barrier_id = EPILOGUE_BARRIER_BASE + wg
-        sO = out.sO[None, None, wg]
+        if const_expr(O_IN_Q):  # its own rows of Q, which its last Q K^T (waited for) has read
+            sO = cute.local_tile(out.sO, (64, HEAD_DIM), (wg, 0))
+        else:
+            sO = out.sO[None, None, wg]
         if const_expr(self.persistent):  # the previous tile's store has read sO: its issuing thread waited for that
             cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WG)
         # one warpgroup's P @ V MMA: its thread-to-element map is each consumer warpgroup's own

@@ -1,6 +1,6 @@
 """Every variant the table can pick compiles for sm_90a on this machine (no GPU needed), and the SASS
-uses what Hopper offers: HGMMA (WGMMA), UTMALDG (TMA loads), USETMAXREG (register reallocation
-between producer and consumer warpgroups), with no register spills."""
+uses what Hopper offers: HGMMA (WGMMA), UTMALDG (TMA loads), UTMASTG (TMA stores, where the table asks),
+USETMAXREG (register reallocation between producer and consumer warpgroups), with no register spills."""
 
 import collections
 import importlib.util
@@ -36,6 +36,8 @@ def test_variant_compiles_for_sm90a_with_wgmma_and_tma(tmp_path, kind, head_dim,
     assert re.search(rf"{mma}\.64x{head_dim}x{k}\.F32{element}\s", sass)  # O += P V
     # row sums of P by the tensor core (P times ones, N = 8) exactly where the table asks for them
     assert bool(re.search(rf"{mma}\.64x8x{k}\.F32{element}\s", sass)) == tile.row_sum_mma
+    # the TMA-store epilogue (stmatrix into shared memory, then UTMASTG) exactly where the table asks for it
+    assert bool(re.search(r"\bUTMASTG\.", sass)) == bool(re.search(r"\bSTSM\.", sass)) == tile.tma_store
     # ptxas serializes WGMMAs it cannot keep in flight (C7512-C7514: registers, accumulators touched
     # mid-flight): a serialized kernel waits after every WGMMA, as many waits as WGMMAs
     mmas, waits = len(re.findall(r"\b[HQ]GMMA\.", sass)), len(re.findall(r"WARPGROUP\.DEPBAR", sass))

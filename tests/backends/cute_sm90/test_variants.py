@@ -1,5 +1,7 @@
 """The sm90 variant table and its one validity check."""
 
+import dataclasses
+
 import pytest
 
 from attnforge.backends.cute_sm90 import variants
@@ -36,7 +38,27 @@ def test_check_names_what_is_wrong(tile, head_dim, needle):
 def test_module_names_are_distinct_and_describe_the_tile():
     names = {t.module(d, k) for k, d, t in variants.picks()}
     assert len(names) == len(variants.picks())
-    assert "fwd_16bit_d256_m128_n64_s2_wg2_pp" in names
+    assert "fwd_16bit_d256_m128_n64_s2_wg2_pp_to" in names
+
+
+def test_tma_store_shows_in_the_names_and_its_buffer_in_shared_memory():
+    tile = Sm90FwdTile(192, 128, consumer_warpgroups=3, producer_registers=32, consumer_registers=160)
+    staged = dataclasses.replace(tile, tma_store=True)
+    assert staged.module(64).endswith("_to") and staged.describe().endswith(" TMA store")
+    assert staged.smem_bytes(64) == tile.smem_bytes(64) + 2 * 192 * 64 + 1024  # O's bf16/fp16 rows, 1024-aligned
+    assert not staged.o_in_q(64)
+
+
+def test_tma_store_stages_o_in_q_only_where_its_own_buffer_does_not_fit():
+    """16-bit d=256 at 128x64: Q, K and V stages take 192 KiB, O's own buffer 64 more: O goes into Q's buffer
+    (same size: 16-bit in, 16-bit out). Never for FP8 (Q is half O's size) or persistent tiles."""
+    tile = Sm90FwdTile(128, 64, tma_store=True)
+    assert tile.o_in_q(256) and tile.smem_bytes(256) == dataclasses.replace(tile, tma_store=False).smem_bytes(256)
+    assert variants.check(tile, 256) == [] and tile.params(256)["o_in_q"] is True
+    assert not tile.o_in_q(256, "fp8") and not tile.o_in_q(128)
+    persistent = dataclasses.replace(tile, persistent=True)
+    assert not persistent.o_in_q(256)
+    assert any("shared memory" in r for r in variants.check(persistent, 256))
 
 
 def test_persistent_shows_in_the_names():
