@@ -39,4 +39,10 @@ case "$1" in
       --out $OUT/bench_final.json 2>&1 | grep -v Warning | tail -n 14
     python3 benchmarks/ab_fp8.py --head-dim 128 --seqlen 16384 --rounds 5 --json $OUT/ab_16k_final.json 2>&1 | grep -v Warning
     ;;
+  last)  # the final tree (d=64 without the tail split again): launch cost twice; bf16 d=128 beside cuDNN and FA4
+    python3 benchmarks/launch_cost.py --json $OUT/launch_cost_last.json 2>&1 | grep -v Warning | grep -v exe_args
+    python3 benchmarks/launch_cost.py --json $OUT/launch_cost_last_again.json 2>&1 | grep -v Warning | grep -v exe_args
+    python3 -m attnforge bench --mode fwd --head-dim 128 --seqlen 4096,16384 --backends cute_sm90,sdpa-cudnn,fa4 \
+      --out $OUT/bench_d128_last.json 2>&1 | grep -v Warning | grep -E "^(bf16|  impl|  cute|  sdpa|  fa4)"
+    ;;
 esac
