@@ -47,6 +47,17 @@ def time_ms(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> tuple[
     return statistics.median(samples), deciles[0], deciles[-1]
 
 
+def interleaved_ms(runners: dict, rounds: int, warmup_ms: float = 25, rep_ms: float = 200) -> dict[str, list[float]]:
+    """CUDA runners timed in rounds, each once per round (time_ms's median), the order rotated every round so that
+    a drifting clock (the H200 at its power cap) favours none of them: {name: [ms, one per round]}."""
+    names, cuda = list(runners), torch.device("cuda")
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(time_ms(runners[name], cuda, warmup_ms, rep_ms)[0])
+    return times
+
+
 def wall_us_per_call(impls: dict, calls: int, repeats: int, sync) -> dict:
     """Median host wall time per call (us) of each implementation in ``impls`` (name -> fn): ``calls``
     queued back to back, then ``sync()``, ``repeats`` times, the implementations taking turns so that

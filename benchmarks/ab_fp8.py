@@ -17,14 +17,13 @@ import statistics
 import sys
 
 import torch
-import triton.testing
 
 import attnforge
 from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90 import tail_split
 from attnforge.backends.cute_sm90.backend import run_kernel
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
-from attnforge.bench.measure import flops
+from attnforge.bench.measure import flops, interleaved_ms
 from attnforge.dispatch import registered
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -60,10 +59,7 @@ def main() -> None:
                                                                        causal=causal, descale=descale, plan=whole)
     runners = {name: run for name, run in runners.items() if run is not None}
     names = list(runners)
-    times = {name: [] for name in names}
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(triton.testing.do_bench(runners[name], warmup=25, rep=200))
+    times = interleaved_ms(runners, args.rounds)
     work = flops(b, h, n, n, d, d, causal, "fwd")
     peer = "cuDNN fp8 (e4m3 out)"
     rows = []

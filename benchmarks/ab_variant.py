@@ -30,13 +30,12 @@ import sys
 import tempfile
 
 import torch
-import triton.testing
 
 from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90.backend import max_ctas, run_kernel
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.backends.cute_sm90.variants import check, picks
-from attnforge.bench.measure import flops
+from attnforge.bench.measure import flops, interleaved_ms
 from attnforge.codegen.render import load_rendered
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -140,10 +139,7 @@ def main() -> None:
                     q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), is_causal=causal)
                 rel = ((outs[base][0][:1, :2].float() - ref).norm() / ref.norm()).item()  # NaN stays NaN
                 names = list(runners)
-                times = {name: [] for name in names}
-                for r in range(args.rounds):
-                    for name in names[r % len(names):] + names[:r % len(names)]:
-                        times[name].append(triton.testing.do_bench(runners[name], warmup=25, rep=200))
+                times = interleaved_ms(runners, args.rounds)
                 work = flops(b, h, n, n, d, d, causal, "fwd")
                 for tile, name in zip(tiles, names):
                     tf = [work / ms / 1e9 for ms in times[name]]

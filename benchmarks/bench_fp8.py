@@ -119,7 +119,7 @@ def main() -> None:
                     err = None
                     if not name.startswith("V^T"):
                         err = rel_error(res[:1, :4].float(), ref)
-                    ms = triton.testing.do_bench(fn, warmup=25, rep=200)
+                    ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
                     tflops = None if name.startswith("V^T") else work / ms / 1e9
                     rows.append(dict(head_dim=head_dim, seqlen=n, batch=b, heads=h, causal=causal, impl=name, ms=ms,
                                      tflops=tflops, rel_error=err))

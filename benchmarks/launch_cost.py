@@ -65,7 +65,7 @@ def main() -> None:
     walls = wall_us_per_call(impls, calls=200, repeats=15, sync=torch.cuda.synchronize)
     for name, fn in impls.items():
         wall = walls[name]
-        kernel_us = triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
+        kernel_us = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
         rows.append(dict(impl=name, wall_us_per_call=wall, do_bench_us=kernel_us))
         print(f"{name:36s} wall {wall:7.1f} us/call   do_bench {kernel_us:7.1f} us", flush=True)
     print("chosen:", decision.forward.backend, decision.forward.variant)

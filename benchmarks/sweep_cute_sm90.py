@@ -82,7 +82,7 @@ def measure(tile, head_dim, args, folder, causals, ctas) -> list[dict]:
                 q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), is_causal=causal)
             err = (out[:1, :2].float() - ref).abs().max().item()
             rel = ((out[:1, :2].float() - ref).norm() / ref.norm()).item()  # relative Frobenius; NaN stays NaN
-            ms = triton.testing.do_bench(run, warmup=25, rep=200)
+            ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
             tflops = flops(b, h, n, n, head_dim, head_dim, causal, "fwd") / ms / 1e9
             rows.append(dict(kind=args.kind, head_dim=head_dim, seqlen=n, causal=causal, tile=tile.describe(),
                              module=tile.module(head_dim, args.kind), ms=ms, tflops=tflops, max_err_vs_fp32=err, rel_err_vs_fp32=rel))

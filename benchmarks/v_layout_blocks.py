@@ -40,7 +40,7 @@ def main() -> None:
                 impls[f"triton {keys}x{dims}"] = run
             for name, fn in impls.items():
                 assert torch.equal(fn().view(torch.uint8), want), name
-                ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
                 gbs = 2 * v.numel() / ms / 1e6
                 rows.append(dict(head_dim=d, seqlen=n, batch=b, heads=h, impl=name, ms=ms, gb_per_s=gbs))
                 print(f"d={d:3d} N={n:5d} {name:20s} {ms * 1e3:8.1f} us {gbs:7.0f} GB/s", flush=True)

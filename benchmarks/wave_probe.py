@@ -67,7 +67,7 @@ def main() -> None:
             run = lambda: run_kernel(kernel, tile, q, k, v, out, lse, scale_log2, causal=False,  # noqa: E731
                                      descale=descale, plan=plan)  # noqa: B023
             ran = run()
-            ms = triton.testing.do_bench(run, warmup=25, rep=300)
+            ms = triton.testing.do_bench(run, warmup=25, rep=300, return_mode="median")
             row = dict(batch=b, heads=h, seqlen=n, tiles=tiles, waves=tiles / sms, work_waves=n / tile.tile_m * b * h / sms,
                        plan=dataclasses.asdict(ran) if ran else None, ms=ms,
                        tflops=flops(b, h, n, n, d, d, False, "fwd") / ms / 1e9, tile=tile.describe())

@@ -57,3 +57,16 @@ def test_unavailable_peers_are_listed_with_why(tmp_path, capsys):
 def test_bad_bench_arguments(capsys):
     assert main(["bench", "--quick", "--backends", "flash9"]) == 2
     assert "unknown implementation(s) flash9" in capsys.readouterr().err
+
+
+def test_interleaved_rounds_time_every_runner_once_per_round_in_rotated_order(monkeypatch):
+    """benchmarks/ab_*.py's rounds: each runner once a round, the first one moving along, so that a clock drifting
+    through the run favours none; each figure is time_ms's median (its first value)."""
+    from attnforge.bench import measure
+
+    order = []
+    monkeypatch.setattr(measure, "time_ms", lambda fn, device, warmup, rep: (fn(), 0.0, 0.0))
+    runners = {name: (lambda name=name: order.append(name) or float(len(order))) for name in "abc"}
+    times = measure.interleaved_ms(runners, rounds=4)
+    assert order == list("abc" "bca" "cab" "abc")
+    assert times == {"a": [1.0, 6.0, 8.0, 10.0], "b": [2.0, 4.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 12.0]}
