@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import importlib.util
 import json
 import math
 import multiprocessing
@@ -36,7 +35,7 @@ from attnforge.backends.cute_sm90.backend import max_ctas, run_kernel
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.backends.cute_sm90.variants import check, picks
 from attnforge.bench.measure import flops, interleaved_ms
-from attnforge.codegen.render import load_rendered
+from attnforge.codegen.render import import_path, load_rendered
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from sweep_cute_sm90 import variants_of  # noqa: E402
@@ -44,16 +43,9 @@ from sweep_cute_sm90 import variants_of  # noqa: E402
 DTYPE = {"fp8": "fp8", "16bit": "bf16"}
 
 
-def _load_module(path: str):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _compile(path: str, dtype: str, causal: bool, obj: str) -> str:
     """Worker: compile the rendered module at ``path`` and export it to ``obj``."""
-    cc.export(cc.compile_module(_load_module(path), dtype, causal), pathlib.Path(obj))
+    cc.export(cc.compile_module(import_path(pathlib.Path(path)), dtype, causal), pathlib.Path(obj))
     return obj
 
 

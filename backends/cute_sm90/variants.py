@@ -141,8 +141,9 @@ WG3 = dict(consumer_warpgroups=3, producer_registers=32, consumer_registers=160)
 # 1.060 (N=4k) and 1.119 (N=16k, 537 vs 479), but not taken: the launch-cost problem (B=1, H=8, N=128, d=64,
 # bf16) then goes through run_kernel's split path and the kernel's four extra arguments, and attention() took
 # 22.9 us per call against SDPA's 21.2 in the same run (session8/launch_cost_final.json; 20.2 vs 20.4 without).
-# bf16 d=256 1.015/1.011 and FP8 d=256 1.016/1.004 (at the benchmark's 8 heads, 16k tokens): within the noise. FP8 d=128 persistent instead of the tail split
-# 0.992/0.965, 3 stages 0.999/0.995, without the split 0.988/0.956 (session8/fp8_d128_persistent.json).
+# bf16 d=256 1.015/1.011 and FP8 d=256 1.016/1.004 (at the benchmark's 8 heads, 16k tokens): within the noise.
+# FP8 d=128 persistent instead of the tail split 0.992/0.965, 3 stages 0.999/0.995, without the split
+# 0.988/0.956 (session8/fp8_d128_persistent.json).
 FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     "16bit": {
         # H200 sweep (same file): 128x128 s2 at d=128: 638-642 TFLOP/s at N=16k with or without

@@ -181,6 +181,14 @@ class Forward:
         self.persistent = PERSISTENT and not causal
         self.split = TAIL_SPLIT and not PERSISTENT and not causal
 
+    def pv_mma(self, warpgroups: int) -> cute.TiledMma:
+        """The O += P V MMA of ``warpgroups`` consumer warpgroups stacked along the rows: P from registers, V
+        K-major for FP8 (V^T arrives transposed), MN-major for 16-bit (V as it is)."""
+        return sm90.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K if const_expr(FP8) else cute.nvgpu.OperandMajorMode.MN,
+            Float32, (warpgroups, 1, 1), (64, HEAD_DIM), warpgroup.OperandSource.RMEM)
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mDescale: cute.Tensor, scale_log2: Float32, max_ctas: cutlass.Int32,
@@ -202,10 +210,7 @@ class Forward:
         tiled_mma_qk = sm90.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, (CONSUMER_WARPGROUPS, 1, 1), (64, TILE_N))
-        tiled_mma_pv = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K if const_expr(FP8) else cute.nvgpu.OperandMajorMode.MN,
-            Float32, (CONSUMER_WARPGROUPS, 1, 1), (64, HEAD_DIM), warpgroup.OperandSource.RMEM)
+        tiled_mma_pv = self.pv_mma(CONSUMER_WARPGROUPS)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (TILE_M, HEAD_DIM))
@@ -706,12 +711,8 @@ class Forward:
         if const_expr(self.persistent):  # the previous tile's store has read sO: its issuing thread waited for that
             cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WG)
         # one warpgroup's P @ V MMA: its thread-to-element map is each consumer warpgroup's own
-        tiled_mma_wg = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K if const_expr(FP8) else cute.nvgpu.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (64, HEAD_DIM), warpgroup.OperandSource.RMEM)
         store_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.out_dtype, Float32)
-        thr_copy = cute.make_tiled_copy_C(store_atom, tiled_mma_wg).get_slice(tidx % THREADS_PER_WG)
+        thr_copy = cute.make_tiled_copy_C(store_atom, self.pv_mma(1)).get_slice(tidx % THREADS_PER_WG)
         cute.copy(store_atom, thr_copy.retile(rO), thr_copy.partition_D(sO))
         cute.arch.fence_view_async_shared()  # the stmatrix writes, visible to the TMA unit (async proxy)
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS_PER_WG)
