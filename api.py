@@ -6,40 +6,45 @@ import torch
 
 from .dispatch import device as devices
 from .dispatch import registry
+from .dispatch.call import Call
 from .dispatch.decision import Decision
+from .dispatch.mask import CAUSAL, NONE, Mask
 from .dispatch.problem import Problem, check_dropout, check_scale, dtype_name, problem_from_tensors
 from .dispatch.select import decide, decide_call, forced_backend
 from .errors import BackendUnavailableError, InvalidInputError
 
 
 class _Attention(torch.autograd.Function):
-    """Autograd glue for backends whose backward runs from the saved output and LSE."""
+    """Autograd glue for backends whose backward runs from the saved output and LSE: the decided forward
+    Variant runs, and the decided backward Variant runs from what it saved."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fwd, bwd, causal, scale, dropout_p, descale=None):
-        extra = {} if descale is None else {"descale": descale}
-        out, lse = fwd.forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, **extra)
+    def forward(ctx, q, k, v, descale, decision, call):
+        call = call._replace(q=q, k=k, v=v, descale=descale)
+        out, lse = registry.get(decision.forward.backend).forward(decision.forward.variant, call)
         ctx.save_for_backward(q, k, v, out, lse, descale)
-        ctx.bwd, ctx.causal, ctx.scale = bwd, causal, scale
+        ctx.decision, ctx.call = decision, call._replace(q=None, k=None, v=None, descale=None)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, descale = ctx.saved_tensors
-        if ctx.bwd is None:
+        choice = ctx.decision.backward
+        if choice is None:
             raise BackendUnavailableError("attention was called with no input requiring grad, so no "
                                           "backward was chosen; set requires_grad before the call")
+        bwd = registry.get(choice.backend)
         if descale is None:
-            dq, dk, dv = ctx.bwd.backward(q, k, v, out, lse, dout, causal=ctx.causal, scale=ctx.scale)
-            return dq, dk, dv, None, None, None, None, None, None
+            dq, dk, dv = bwd.backward(choice.variant, ctx.call._replace(q=q, k=k, v=v), out, lse, dout)
+            return dq, dk, dv, None, None, None
         # FP8: the backward runs in bf16 on the dequantised inputs x * descale (see select.FP8_BACKWARD_DTYPE);
         # by the chain rule the gradient with respect to the fp8 tensor is descale * d(dequantised).
         per_head = [d.repeat_interleave(t.shape[1] // d.shape[1], 1)[:, :, None, None] for d, t in zip(descale, (q, k, v))]
         q, k, v = ((t.to(torch.float32) * d).to(out.dtype) for t, d in zip((q, k, v), per_head))
-        grads = ctx.bwd.backward(q, k, v, out, lse, dout.to(out.dtype), causal=ctx.causal, scale=ctx.scale)
+        grads = bwd.backward(choice.variant, ctx.call._replace(q=q, k=k, v=v), out, lse, dout.to(out.dtype))
         dq, dk, dv = (g.float() * d for g, d in zip(grads, per_head))  # autograd casts them to the inputs' dtype
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -63,10 +68,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         if torch.compiler.is_compiling():
             raise InvalidInputError("fp8 attention inside torch.compile is not supported yet; call it eagerly")
         descale = _fp8_descale(q, k, descales, layout)
-        return _run(q, k, v, causal, scale, dropout_p, layout, return_lse, backend, mask_args={"descale": descale})
+        return _run(q, k, v, CAUSAL if causal else NONE, scale, dropout_p, layout, return_lse, backend, descale=descale)
     if torch.compiler.is_compiling():
         return _traced(q, k, v, causal, scale, dropout_p, layout, return_lse, backend)
-    return _run(q, k, v, causal, scale, dropout_p, layout, return_lse, backend)
+    return _run(q, k, v, CAUSAL if causal else NONE, scale, dropout_p, layout, return_lse, backend)
 
 
 def _fp8_descale(q, k, descales, layout) -> torch.Tensor:
@@ -99,18 +104,19 @@ def _traced(q, k, v, causal, scale, dropout_p, layout, return_lse, backend):
     return (out, lse) if return_lse else out
 
 
-def _run(q, k, v, causal, scale, dropout_p, layout, return_lse, backend, mask="none", mask_args=None):
-    decision = decide_call(q, k, v, layout, causal, dropout_p, return_lse, backend, mask)
+def _run(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, descale=None, attn_mask=None):
+    """Decide (a dict lookup for a repeated call signature), then run the decided Variants on one Call."""
+    decision = decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend)
     scale = check_scale(scale, q.shape[-1])
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    call = Call(q, k, v, scale, mask, dropout_p, descale, attn_mask)
     fwd = registry.get(decision.forward.backend)
     # the decision is per call signature, grad mode and requires_grad included: its problem says it
     if fwd.autograd_native or not decision.problem.needs_grad:  # no graph to record: skip autograd.Function (~10 us)
-        out, lse = fwd.forward(q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, **(mask_args or {}))
+        out, lse = fwd.forward(decision.forward.variant, call)
     else:
-        bwd = registry.get(decision.backward.backend) if decision.backward else None
-        out, lse = _Attention.apply(q, k, v, fwd, bwd, causal, scale, dropout_p, (mask_args or {}).get("descale"))
+        out, lse = _Attention.apply(q, k, v, descale, decision, call)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
@@ -132,9 +138,17 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
         top_left = bool(is_causal) and query.shape[2] != key.shape[2]
     else:
         top_left = False  # attention()'s validation will name what is wrong
-    mask = "tensor" if attn_mask is not None else "causal_top_left" if top_left else "none"
-    mask_args = {"attn_mask": attn_mask} if attn_mask is not None else {"top_left": True} if top_left else None
-    return _run(query, key, value, bool(is_causal), scale, dropout_p, "bhsd", False, None, mask, mask_args)
+    if attn_mask is not None:
+        mask = _TENSOR_MASK
+    elif top_left:
+        mask = _TOP_LEFT_CAUSAL
+    else:
+        mask = CAUSAL if is_causal else NONE
+    return _run(query, key, value, mask, scale, dropout_p, "bhsd", False, None, attn_mask=attn_mask)
+
+
+_TENSOR_MASK = Mask(tensor=True)
+_TOP_LEFT_CAUSAL = Mask(causal=True, top_left=True)  # SDPA's is_causal where seqlen_q != seqlen_k
 
 
 def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
@@ -153,7 +167,7 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
     if q is not None or k is not None or v is not None:
         if q is None or k is None or v is None:
             raise InvalidInputError("explain() takes q, k and v together, or none of them and plain shapes")
-        problem = problem_from_tensors(q, k, v, spec, layout=layout, causal=causal, dropout_p=dropout_p,
+        problem = problem_from_tensors(q, k, v, spec, layout=layout, mask=CAUSAL if causal else NONE, dropout_p=dropout_p,
                                        return_lse=return_lse,
                                        needs_grad=needs_grad or q.requires_grad or k.requires_grad or v.requires_grad)
     else:
@@ -163,7 +177,7 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
         problem = Problem(batch=batch, heads_q=heads, heads_kv=heads if kv_heads is None else kv_heads,
                           seqlen_q=seqlen_q, seqlen_k=seqlen_q if seqlen_k is None else seqlen_k,
                           head_dim=head_dim, head_dim_v=head_dim if head_dim_v is None else head_dim_v,
-                          dtype=dtype_name(dtype), device=spec or devices.detect(), causal=bool(causal),
+                          dtype=dtype_name(dtype), device=spec or devices.detect(), mask=CAUSAL if causal else NONE,
                           dropout=check_dropout(dropout_p) > 0, needs_grad=bool(needs_grad),
                           return_lse=bool(return_lse))
     return decide(problem, *forced_backend(backend))

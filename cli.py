@@ -159,56 +159,70 @@ def _bench(args) -> int:
     return 0
 
 
+def _sources(backends):
+    """The distinct generated modules (codegen.Source) every variant of ``backends`` runs."""
+    return list(dict.fromkeys(v.source for b in backends for v in b.variants() if v.source is not None))
+
+
 def _codegen(args) -> int:
-    from .codegen.generate import main as codegen_main
+    import pathlib
 
-    return codegen_main(["--check"] if args.check else [])
+    from .codegen import write
+
+    written = write(_sources(registered().values()), pathlib.Path(args.out))
+    for path in written:
+        print(path)
+    print(f"{len(written)} generated modules in {args.out}")
+    return 0
 
 
-def _head_dims_for(args, backend: str):
-    """The --head-dim list for one CuTe backend: with --backend all, only the head dims it has kernels for
-    (the others fall back to triton_fa2 at run time); forced to that backend, all of them (a missing one
-    is an error)."""
-    if args.backend != backend and args.head_dim is not None:
-        have = importlib.import_module(f".backends.{backend}.variants", __package__).HEAD_DIMS
-        return [d for d in args.head_dim if d in have]
-    return args.head_dim
+BUILD_TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "gfx90a", "gfx942", "gfx950")
+
+
+def _build_items(args) -> list:
+    """What `attnforge build` compiles: every build item of every variant the chosen backends can pick on the
+    targets, in order, without repeats. With --backend all, a backend skips the dtypes and head dims it has no
+    kernel for (those calls fall back at run time); forced to one backend, a missing one is an error."""
+    for arch in args.target:
+        if arch not in BUILD_TARGETS:
+            raise ValueError(f"unknown build target {arch!r}; targets: {', '.join(BUILD_TARGETS)}")
+    causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    backends = registered()
+    names = list(backends) if args.backend == "all" else [args.backend]
+    items = {}
+    for name in names:
+        b = backends[name]
+        for variant in b.variants(args.target, args.dtype, args.head_dim, causal, strict=args.backend == name):
+            for item in b.builds(variant):
+                items[item] = None
+    return list(items)
 
 
 def _build(args) -> int:
     import pathlib
+    import time
 
-    from .codegen import build
+    from .runtime import cute, triton_aot
+    from .runtime.cache import default_cache_dir
 
-    causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
-    triton_dtypes = tuple(d for d in args.dtype if d in build.TRITON_DTYPES)
-    builds, cute, cute100 = [], [], []
-    if args.backend in ("all", "triton_fa2") and triton_dtypes:
-        builds = build.plan(args.target, dtypes=triton_dtypes, head_dims=args.head_dim, causal=causal)
-    if args.backend in ("all", "cute_sm90"):
-        head_dims = _head_dims_for(args, "cute_sm90")
-        if head_dims != []:
-            cute = build.cute_plan(args.target, args.dtype, head_dims, causal)
-            builds += build.fp8_layout_plan(args.target, args.dtype)  # FP8's V^T kernel (Triton)
-    if args.backend in ("all", "cute_sm100"):
-        head_dims = _head_dims_for(args, "cute_sm100")
-        if head_dims != []:
-            cute100 = build.cute_sm100_plan(args.target, args.dtype, head_dims, causal)
+    items = _build_items(args)
     if args.list:
-        for b in builds:
-            print(b.name())
-        for name, plan in (("cute_sm90", cute), ("cute_sm100", cute100)):
-            for module, dtype, is_causal in plan:
-                print(f"{name} {module}.{dtype}.{'causal' if is_causal else 'full'}")
-        print(f"{len(builds) + len(cute) + len(cute100)} kernels")
+        for item in items:
+            print(item.name())
+        print(f"{len(items)} kernels")
         return 0
-    out = pathlib.Path(args.out) if args.out else build.default_cache_dir()
+    out = pathlib.Path(args.out) if args.out else default_cache_dir()
     progress = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    results = build.run(builds, out, keep_asm=args.keep_asm, progress=progress)
-    build.run_cute(cute, out, progress=progress)
-    build.run_cute(cute100, out, progress=progress, backend="cute_sm100")
+    tritons = [i for i in items if isinstance(i, triton_aot.KernelBuild)]
+    results = triton_aot.run(tritons, out, keep_asm=args.keep_asm, progress=progress)
+    cutes = [i for i in items if isinstance(i, cute.CuteBuild)]
+    for n, item in enumerate(cutes, 1):
+        t0 = time.perf_counter()
+        path, built = cute.build_cached(item, out, keep_asm=args.keep_asm)
+        what = f"built in {time.perf_counter() - t0:.1f}s" if built else "cached"
+        progress(f"[{n}/{len(cutes)}] {item.name()}: {what} ({path.name})")
     spilled = [r for r in results if r["stack_bytes"]]
-    print(f"{len(results) + len(cute) + len(cute100)} kernels in {out}" + (f"; {len(spilled)} spill to local memory" if spilled else ""))
+    print(f"{len(items)} kernels in {out}" + (f"; {len(spilled)} Triton kernels spill to local memory" if spilled else ""))
     return 0
 
 
@@ -252,21 +266,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="versions, the local device and which backends can run here")
     p.set_defaults(run=_doctor)
 
-    p = sub.add_parser("codegen", help="render the kernel modules from templates/ (--check: fail if stale)")
-    p.add_argument("--check", action="store_true")
+    p = sub.add_parser("codegen", help="render every generated kernel module from templates/ into a folder, for reading")
+    p.add_argument("--out", required=True, help="folder to write the modules into (one subfolder per template)")
     p.set_defaults(run=_codegen)
 
     p = sub.add_parser("build", help="compile the kernels a deployment needs ahead of time (no GPU needed)")
-    p.add_argument("--target", type=_csv(str), required=True, help="comma list: sm80,sm86,sm89,sm90,sm100,sm120")
-    p.add_argument("--backend", default="all", choices=("all", "triton_fa2", "cute_sm90", "cute_sm100"),
-                   help="default: every backend with ahead-of-time kernels for the targets (cute_sm90: sm90, "
-                        "cute_sm100: sm100)")
+    p.add_argument("--target", type=_csv(str), required=True, help=f"comma list: {','.join(BUILD_TARGETS)}")
+    p.add_argument("--backend", default="all", choices=("all", *PLANNED_BACKENDS),
+                   help="default: every backend with ahead-of-time kernels for the targets (triton_fa2: NVIDIA, "
+                        "triton_rocm: gfx, cute_sm90: sm90, cute_sm100: sm100; sdpa and reference have none)")
     p.add_argument("--dtype", type=_csv(str), default=("fp16", "bf16"), help="comma list: fp16, bf16, fp8 (cute_sm90)")
     p.add_argument("--head-dim", type=_csv(int), default=None, help="default: every head dim of the variant table")
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
     p.add_argument("--out", help="cache folder (default $ATTNFORGE_CACHE_DIR or ~/.cache/attnforge)")
     p.add_argument("--list", action="store_true", help="list what would be built, build nothing")
-    p.add_argument("--keep-asm", action="store_true", help="write PTX and SASS next to each cubin")
+    p.add_argument("--keep-asm", action="store_true", help="write PTX and SASS next to each kernel (Triton and CuTe)")
     p.set_defaults(run=_build)
 
     p = sub.add_parser("tune", help="time triton_fa2's rendered tiles on this GPU and keep the fastest (opt-in)")

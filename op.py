@@ -5,7 +5,7 @@ when the compiled graph runs), fake implementations give shapes, and autograd is
 Eager calls do not go through the op (its dispatch costs more than attnforge's whole host path);
 attention() routes here only while torch.compile is tracing. There, autograd-native backends
 (torch SDPA) are passed over for the best one with its own backward (triton_fa2 on NVIDIA,
-triton_rocm on CDNA, reference on the CPU): see _backend().
+triton_rocm on CDNA, reference on the CPU): see _plan().
 """
 
 from __future__ import annotations
@@ -15,23 +15,31 @@ from typing import Optional
 import torch
 
 from .dispatch import registry
+from .dispatch.call import Call
+from .dispatch.mask import CAUSAL, NONE
 
 
-def _backend(q, k, v, causal, backend):
-    """The backend the op runs: the best one the Decision found serving the forward whose backward
-    runs from the saved output and LSE. Autograd-native backends (torch SDPA) are passed over here:
-    inside an op, autograd cannot run through them, and the op's backward must be an op too."""
+def _plan(q, k, v, causal, backend):
+    """(backend, forward Variant, backward Variant) the op runs: the best backend the Decision found serving
+    the forward whose own backward runs from the saved output and LSE. Autograd-native backends (torch
+    SDPA) are passed over here: inside an op, autograd cannot run through them, and the op's backward
+    must be an op too."""
     from .dispatch.decision import CHOSEN, ELIGIBLE
     from .dispatch.problem import problem_from_tensors
     from .dispatch.select import decide, forced_backend
     from .errors import BackendUnavailableError
 
-    decision = decide(problem_from_tensors(q, k, v, causal=causal, needs_grad=True), *forced_backend(backend))
+    problem = problem_from_tensors(q, k, v, mask=CAUSAL if causal else NONE, needs_grad=True)
+    decision = decide(problem, *forced_backend(backend))
     for c in decision.forward.candidates:
         if c.verdict in (CHOSEN, ELIGIBLE):
             b = registry.get(c.backend)
-            if not b.autograd_native and not b.supports_backward(decision.problem):
-                return b
+            if b.autograd_native:
+                continue
+            fwd, _ = b.plan(problem)
+            bwd, _ = b.plan_backward(problem)
+            if fwd is not None and bwd is not None:
+                return b, fwd, bwd
     raise BackendUnavailableError("under torch.compile attnforge needs a backend whose backward runs from the "
                                   f"saved output and LSE, and none serves this call:\n{decision}")
 
@@ -40,7 +48,8 @@ def _backend(q, k, v, causal, backend):
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                  backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for (batch, heads, seqlen, dim) inputs."""
-    out, lse = _backend(q, k, v, causal, backend).forward(q, k, v, causal=causal, scale=scale, dropout_p=0.0)
+    b, fwd, _ = _plan(q, k, v, causal, backend)
+    out, lse = b.forward(fwd, Call(q, k, v, scale, CAUSAL if causal else NONE))
     return out.contiguous(), lse.float().contiguous()
 
 
@@ -54,7 +63,8 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           lse: torch.Tensor, causal: bool, scale: float,
                           backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the forward op's output and LSE, by the backend that ran the forward."""
-    grads = _backend(q, k, v, causal, backend).backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
+    b, _, bwd = _plan(q, k, v, causal, backend)
+    grads = b.backward(bwd, Call(q, k, v, scale, CAUSAL if causal else NONE), out, lse, dout)
     return tuple(g.contiguous() for g in grads)
 
 

@@ -19,19 +19,19 @@ def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / norm if norm else diff
 
 
-def oracle(q, k, v, *, causal: bool, scale: float | None = None, dout: torch.Tensor | None = None):
+def oracle(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None, dout: torch.Tensor | None = None):
     """fp64 math on the given (already rounded) inputs: (out, lse) and, with ``dout``, (dq, dk, dv)."""
     q64, k64, v64 = (t.detach().double().requires_grad_(dout is not None) for t in (q, k, v))
-    out, lse = math_attention(q64, k64, v64, causal=causal, scale=scale)
+    out, lse = math_attention(q64, k64, v64, causal=causal, mask=mask, scale=scale)
     grads = torch.autograd.grad(out, (q64, k64, v64), dout.double()) if dout is not None else None
     return out.detach(), lse.detach(), grads
 
 
-def peer_error(q, k, v, *, causal: bool, scale: float | None = None, dout: torch.Tensor | None = None):
+def peer_error(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None, dout: torch.Tensor | None = None):
     """PyTorch's own materialised attention in the inputs' dtype: (out, grads) to measure that
     dtype's inherent error against the oracle."""
     qs, ks, vs = (t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v))
-    out, _ = math_attention(qs, ks, vs, causal=causal, scale=scale)
+    out, _ = math_attention(qs, ks, vs, causal=causal, mask=mask, scale=scale)
     grads = torch.autograd.grad(out, (qs, ks, vs), dout) if dout is not None else None
     return out.detach(), grads
 
@@ -63,7 +63,7 @@ def error_and_bound(x: torch.Tensor, ref: torch.Tensor, peer: torch.Tensor, *, f
     return err, bound, peer_err
 
 
-def fp8_peer(q, k, v, *, causal: bool, scale: float | None = None, p_scale: float = 256.0) -> torch.Tensor:
+def fp8_peer(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None, p_scale: float = 256.0) -> torch.Tensor:
     """The error an FP8 P @ V cannot avoid, computed by PyTorch: fp64 math on the (dequantised) inputs
     except that P, scaled by ``p_scale`` as FP8 kernels do, is rounded to e4m3 before P @ V. Its error
     against ``oracle`` is FP8 attention's inherent error (~3.6% relative for N(0,1) values: e4m3 keeps
@@ -71,7 +71,7 @@ def fp8_peer(q, k, v, *, causal: bool, scale: float | None = None, p_scale: floa
     from .backends.reference.kernels import math_probabilities
 
     q64, k64, v64 = (t.detach().double() for t in (q, k, v))
-    p, _ = math_probabilities(q64, k64, causal=causal, scale=scale)
+    p, _ = math_probabilities(q64, k64, causal=causal, mask=mask, scale=scale)
     p = (p * p_scale).float().to(torch.float8_e4m3fn).double() / p_scale
     return p @ v64.repeat_interleave(q64.shape[1] // k64.shape[1], 1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jinja2
@@ -26,21 +27,34 @@ def render(template: str, **params) -> str:
     return header + "\n" + env.get_template(template).render(**params)
 
 
-def load_rendered(template: str, path, **params):
-    """``template`` rendered with ``params`` into the file ``path`` and imported from there: a variant no
-    table picks (tile sweeps, tests), as a module object."""
-    import pathlib
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One generated module: ``template`` rendered with ``params`` (kept as sorted (name, value) pairs, so
+    a Source is hashable), read and imported under ``name``."""
 
-    path = pathlib.Path(path)
-    path.write_text(render(template, **params))
-    return import_path(path)
+    template: str
+    items: tuple
+    name: str
+
+    @classmethod
+    def of(cls, template: str, params: dict, name: str) -> "Source":
+        return cls(template, _freeze(params), name)
+
+    @property
+    def params(self) -> dict:
+        return _thaw(self.items)
+
+    def text(self) -> str:
+        return render(self.template, **self.params)
 
 
-def import_path(path):
-    """The Python file ``path`` imported as a module object of its own (not added to sys.modules)."""
-    import importlib.util
+class _Dict(tuple):
+    """A frozen dict inside Source.items (a tuple subclass, so that it hashes and compares as data)."""
 
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+def _freeze(params: dict) -> tuple:
+    return tuple(sorted((k, _Dict(_freeze(v)) if isinstance(v, dict) else v) for k, v in params.items()))
+
+
+def _thaw(items: tuple) -> dict:
+    return {k: _thaw(v) if isinstance(v, _Dict) else v for k, v in items}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from .problem import Problem
+from .variant import Variant
 
 # Verdicts of a candidate backend.
 CHOSEN, ELIGIBLE, REJECTED, ABSENT = "chosen", "eligible", "rejected", "absent"
@@ -23,11 +24,18 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The outcome for one direction (forward or backward); ``backend`` None means nothing serves."""
+    """The outcome for one direction (forward or backward): the backend and the Variant it runs
+    (``backend`` None: nothing serves), with ``note`` saying anything else about how it runs."""
 
     backend: str | None
-    variant: str
+    variant: Variant | None
     candidates: tuple[Candidate, ...]
+    note: str = ""
+
+    def describe(self) -> str:
+        """The variant in words, with the note."""
+        text = self.variant.describe() if self.variant is not None else ""
+        return f"{text} ({self.note})" if text and self.note else text or self.note
 
     def reasons_of(self, backend: str) -> tuple[str, ...]:
         return next((c.reasons for c in self.candidates if c.backend == backend), ())
@@ -63,7 +71,8 @@ class Decision:
         def choice(c: Choice | None):
             if c is None:
                 return None
-            return {"backend": c.backend, "variant": c.variant,
+            return {"backend": c.backend, "variant": c.variant.name if c.variant is not None else None,
+                    "description": c.describe(),
                     "candidates": [{"backend": x.backend, "verdict": x.verdict, "reasons": list(x.reasons)}
                                    for x in c.candidates]}
 
@@ -82,7 +91,7 @@ class Decision:
                 lines.append(f"  {label:<8}: not needed (no input requires grad)")
                 continue
             served = c.backend or "NONE: no backend can serve this"
-            lines.append(f"  {label:<8}: {served}" + (f"  [{c.variant}]" if c.variant else ""))
+            lines.append(f"  {label:<8}: {served}" + (f"  [{c.describe()}]" if c.describe() else ""))
             width = max(len(x.backend) for x in c.candidates) if c.candidates else 0
             for x in c.candidates:
                 reason = "; ".join(x.reasons)

@@ -10,6 +10,7 @@ import torch
 
 from ..errors import InvalidInputError, UnknownNameError
 from .device import DeviceSpec, detect
+from .mask import Mask
 
 # Canonical dtype names and their torch dtypes. fp8 means e4m3 (the attention FP8 format).
 DTYPES: dict[str, torch.dtype] = {
@@ -23,7 +24,6 @@ _ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "f
             "float64": "fp64", "double": "fp64", "e4m3": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
 _NAME_OF = {dt: name for name, dt in DTYPES.items()}
 LAYOUTS = ("bhsd", "bshd")
-MASKS = ("none", "tensor", "causal_top_left")
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -55,11 +55,10 @@ class Problem:
     head_dim_v: int
     dtype: str
     device: DeviceSpec
-    causal: bool = False
+    mask: Mask = Mask()
     dropout: bool = False
     needs_grad: bool = False
     return_lse: bool = False
-    mask: str = "none"  # "none", "tensor" (an attn_mask), or "causal_top_left" (SDPA's is_causal, seqlen_q != seqlen_k)
 
     def __post_init__(self):
         for field in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v"):
@@ -74,8 +73,12 @@ class Problem:
             raise InvalidInputError(f"heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv}) "
                                     "for grouped-query attention")
         dtype_name(self.dtype)  # raises on unknown names
-        if self.mask not in MASKS:
-            raise InvalidInputError(f"mask must be one of {', '.join(MASKS)}, got {self.mask!r}")
+        if not isinstance(self.mask, Mask):
+            raise InvalidInputError(f"mask must be a Mask, got {self.mask!r}")
+
+    @property
+    def causal(self) -> bool:
+        return self.mask.causal
 
     @property
     def gqa(self) -> bool:
@@ -88,8 +91,8 @@ class Problem:
     def describe(self) -> str:
         heads = f"{self.heads_q}" if not self.gqa else f"{self.heads_q}/{self.heads_kv}kv"
         dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
-        flags = [f for f, on in (("causal", self.causal), ("dropout", self.dropout), ("grad", self.needs_grad),
-                                 ("lse", self.return_lse), (f"mask={self.mask}", self.mask != "none")) if on]
+        flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), ("dropout", self.dropout),
+                                 ("grad", self.needs_grad), ("lse", self.return_lse)) if on]
         return (f"{self.dtype} b={self.batch} h={heads} nq={self.seqlen_q} nk={self.seqlen_k} {dims}"
                 + (" " + ",".join(flags) if flags else "") + f" on {self.device.arch} ({self.device.name})")
 
@@ -130,9 +133,8 @@ def validate_tensors(q, k, v, layout: str) -> None:
                                 "for grouped-query attention")
 
 
-def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: str = "bhsd", causal: bool = False,
-                         dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None,
-                         mask: str = "none") -> Problem:
+def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: str = "bhsd", mask: Mask = Mask(),
+                         dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None) -> Problem:
     """Validate q, k, v and describe them as a Problem on ``device`` (default: the tensors' device)."""
     validate_tensors(q, k, v, layout)
     if device is None:
@@ -142,8 +144,8 @@ def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: s
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return Problem(batch=q.shape[0], heads_q=q.shape[h], heads_kv=k.shape[h], seqlen_q=q.shape[s],
                    seqlen_k=k.shape[s], head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=_NAME_OF[q.dtype],
-                   device=device, causal=bool(causal), dropout=check_dropout(dropout_p) > 0,
-                   needs_grad=bool(needs_grad), return_lse=bool(return_lse), mask=mask)
+                   device=device, mask=mask, dropout=check_dropout(dropout_p) > 0,
+                   needs_grad=bool(needs_grad), return_lse=bool(return_lse))
 
 
 def check_dropout(dropout_p) -> float:

@@ -5,14 +5,21 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnknownNameError
+from .call import Call
 from .priority import PLANNED_BACKENDS
 from .problem import Problem
 from .support import Support
+from .variant import Variant
+
+# What plan() returns: the Variant that serves the problem and no reasons, or None and the reasons.
+Planned = tuple[Variant | None, list[str]]
 
 
 class Backend:
-    """A way to compute attention. Subclasses set ``name``, ``summary`` and ``support`` and
-    implement ``forward`` (and ``backward`` where ``support.backward``).
+    """A way to compute attention: a room with one door. ``plan(problem)`` gives the Variant that serves
+    a problem (or the reasons it cannot); ``forward(variant, call)`` and ``backward(...)`` run it.
+    Subclasses set ``name``, ``summary`` and ``support`` and implement ``_plan`` (and ``_plan_backward``
+    where ``support.backward``), ``forward`` and ``backward``.
 
     ``autograd_native``: the forward is differentiable by torch autograd itself, so its backward
     follows from the forward (nothing else can take over), and it needs no saved LSE.
@@ -23,13 +30,29 @@ class Backend:
     support: Support
     autograd_native: bool = False
 
+    def plan(self, problem: Problem) -> Planned:
+        """The Variant that runs ``problem``'s forward, or None and one reason per unmet need."""
+        reasons = self.support.reasons(problem)
+        return (None, reasons) if reasons else self._plan(problem)
+
+    def plan_backward(self, problem: Problem) -> Planned:
+        """The Variant that runs ``problem``'s backward from a saved output and LSE, or None and the reasons."""
+        reasons = self.support.backward_reasons(problem)
+        return (None, reasons) if reasons else self._plan_backward(problem)
+
+    def _plan(self, problem: Problem) -> Planned:
+        raise NotImplementedError
+
+    def _plan_backward(self, problem: Problem) -> Planned:
+        return None, ["has no backward"]
+
     def supports(self, problem: Problem) -> list[str]:
         """Reasons this backend cannot run ``problem``'s forward; empty means it can."""
-        return self.support.reasons(problem)
+        return self.plan(problem)[1]
 
     def supports_backward(self, problem: Problem) -> list[str]:
         """Reasons this backend cannot run ``problem``'s backward from a saved output and LSE."""
-        return self.support.backward_reasons(problem)
+        return self.plan_backward(problem)[1]
 
     def passed_over(self, problem: Problem) -> list[str]:
         """Reasons the automatic choice should prefer a later backend although this one can serve
@@ -40,19 +63,25 @@ class Backend:
         """Reasons this backend cannot run in this process at all (a missing package, say)."""
         return []
 
-    def variant(self, problem: Problem) -> str:
-        """Which kernel (variant) it would run for ``problem``, in words."""
-        return ""
+    def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False) -> list[Variant]:
+        """Every Variant the planner can pick on ``archs`` (default: every arch it has tables for) for these
+        dtypes, head dims and causal flags: what `attnforge build` compiles, `attnforge codegen` renders
+        and the tests run. ``strict``: a requested dtype or head dim with no kernel is an error (ValueError
+        with the reasons) instead of being left out. Backends with nothing to build return none."""
+        return []
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                dropout_p: float, **mask) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Inputs in (batch, heads, seqlen, head_dim) order (any strides); returns the output in the
-        same order and the natural-log LSE (batch, heads_q, seqlen_q), or None if it gives none.
-        ``mask``: attn_mask / top_left, given only to backends whose support declares those masks."""
+    def builds(self, variant: Variant) -> list:
+        """What `attnforge build` compiles for ``variant`` (runtime.triton_aot.KernelBuild and
+        runtime.cute.CuteBuild items)."""
+        return []
+
+    def forward(self, variant: Variant, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``variant`` on ``call``: the output in (batch, heads, seqlen, head_dim) order and the
+        natural-log LSE (batch, heads_q, seqlen_q) in fp32, or None if it gives none."""
         raise NotImplementedError
 
-    def backward(self, q, k, v, out, lse, dout, *, causal: bool, scale: float):
-        """(dq, dk, dv) from the forward's output and LSE."""
+    def backward(self, variant: Variant, call: Call, out, lse, dout):
+        """(dq, dk, dv) of ``call`` from the forward's output and LSE, by the backward ``variant``."""
         raise NotImplementedError(f"{self.name} has no backward")
 
 

@@ -72,24 +72,25 @@ def _env_backend() -> str:
     return os.environ.get(ENV_VAR, "").strip()
 
 
-def _rank(names, verdict_of) -> tuple[str | None, tuple[Candidate, ...]]:
-    """Walk ``names`` in order; ``verdict_of(backend)`` gives reasons (empty: it can serve)."""
+def _rank(names, verdict_of) -> tuple[str | None, object, tuple[Candidate, ...]]:
+    """Walk ``names`` in order; ``verdict_of(backend)`` gives (variant, reasons): reasons empty means it can
+    serve with that variant. Returns the first that can, its variant, and every candidate's verdict."""
     backends = registry.registered()
-    chosen, out = None, []
+    chosen, chosen_variant, out = None, None, []
     for name in names:
         backend = backends.get(name)
         if backend is None:
             out.append(Candidate(name, ABSENT, ("not in this build of attnforge",)))
             continue
-        reasons = tuple(verdict_of(backend))
+        variant, reasons = verdict_of(backend)
         if reasons:
-            out.append(Candidate(name, REJECTED, reasons))
+            out.append(Candidate(name, REJECTED, tuple(reasons)))
         elif chosen is None:
-            chosen = name
+            chosen, chosen_variant = name, variant
             out.append(Candidate(name, CHOSEN))
         else:
             out.append(Candidate(name, ELIGIBLE))
-    return chosen, tuple(out)
+    return chosen, chosen_variant, tuple(out)
 
 
 # FP8 forwards have no FP8 backward anywhere (FlashAttention-3 refuses it): their backward runs in
@@ -99,26 +100,25 @@ FP8_BACKWARD_DTYPE = "bf16"
 
 def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...]) -> Choice:
     if fwd.autograd_native:
-        return Choice(fwd.name, "torch autograd through its forward", (Candidate(fwd.name, CHOSEN),))
+        return Choice(fwd.name, None, (Candidate(fwd.name, CHOSEN),), note="torch autograd through its forward")
     fp8 = problem.dtype == "fp8"
     if fp8:
         problem = dataclasses.replace(problem, dtype=FP8_BACKWARD_DTYPE)
 
     def verdict(b: registry.Backend):
         if b.autograd_native:
-            return ["its backward is torch autograd through its own forward; it cannot follow another forward"]
-        return b.available() + b.supports_backward(problem)
+            return None, ["its backward is torch autograd through its own forward; it cannot follow another forward"]
+        missing = b.available()
+        return (None, missing) if missing else b.plan_backward(problem)
 
-    name, candidates = _rank(order, verdict)
-    variant = registry.get(name).variant(problem) if name else ""
-    if fp8 and name:
-        variant += f" (in {FP8_BACKWARD_DTYPE} on the dequantised fp8 inputs: there is no FP8 backward)"
-    return Choice(name, variant, candidates)
+    name, variant, candidates = _rank(order, verdict)
+    note = (f"in {FP8_BACKWARD_DTYPE} on the dequantised fp8 inputs: there is no FP8 backward" if fp8 and name else "")
+    return Choice(name, variant, candidates, note)
 
 
 @functools.lru_cache(maxsize=4096)
 def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> Decision:
-    """The Decision for ``problem``: forward (and, if it needs grad, backward) backend and variant,
+    """The Decision for ``problem``: forward (and, if it needs grad, backward) backend and Variant,
     with every candidate's verdict. Cached per (problem, forced); a new fallback is logged once."""
     order = priority(problem.device)
     fwd_order = (forced,) if forced else order
@@ -127,25 +127,28 @@ def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> De
     found = []  # a backend passed: later ones are only listed as eligible, not self-checked
 
     def verdict(b: registry.Backend):
-        reasons = b.available() + b.supports(problem)
+        reasons = b.available()
+        variant = None
+        if not reasons:
+            variant, reasons = b.plan(problem)
         if not reasons and not forced:
             reasons = b.passed_over(problem)
         if not reasons and not found:  # on this machine's device, a variant's first use runs its self-check
-            reasons = list(selfcheck.reasons(b, problem))
+            reasons = list(selfcheck.reasons(b, variant, problem))
         if not reasons and problem.needs_grad:
             backward_of[b.name] = bwd = _backward(problem, b, bwd_order)
             if bwd.backend is None:
                 reasons = ["no backend can run the backward after its forward (see the backward candidates)"]
         if not reasons:
             found.append(b.name)
-        return reasons
+        return variant, reasons
 
-    name, candidates = _rank(fwd_order, verdict)
-    forward = Choice(name, registry.get(name).variant(problem) if name else "", candidates)
+    name, variant, candidates = _rank(fwd_order, verdict)
+    forward = Choice(name, variant, candidates)
     if problem.needs_grad:
         backward = backward_of.get(name) or next(iter(backward_of.values()), None)
         if backward is None:  # nothing served the forward; show why the backward could not be chosen either
-            backward = Choice(None, "", ())
+            backward = Choice(None, None, ())
     else:
         backward = None
     decision = Decision(problem, how, order[0], forward, backward)
@@ -159,20 +162,20 @@ _CALL_CACHE: dict[tuple, Decision] = {}
 _CALL_CACHE_LIMIT = 4096
 
 
-def decide_call(q, k, v, layout, causal, dropout_p, return_lse, backend, mask="none") -> Decision:
+def decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend) -> Decision:
     """The Decision for this call. A repeated call signature (shapes, dtypes, devices, flags, forcing)
     is a dict lookup: it was validated when first seen, so the hot path stays in microseconds."""
     forced, how = forced_backend(backend)
     try:
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout,
-               causal, dropout_p, return_lse, needs_grad, forced, how, mask)
+               mask, dropout_p, return_lse, needs_grad, forced, how)
         decision = _CALL_CACHE.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the slow path says what
         key, decision = None, None
     if decision is None:
-        problem = problem_from_tensors(q, k, v, layout=layout, causal=causal, dropout_p=dropout_p,
-                                       return_lse=return_lse, mask=mask)
+        problem = problem_from_tensors(q, k, v, layout=layout, mask=mask, dropout_p=dropout_p,
+                                       return_lse=return_lse)
         decision = decide(problem, forced, how)
         if not decision.ok:
             raise BackendUnavailableError(str(decision))

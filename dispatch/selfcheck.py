@@ -21,6 +21,8 @@ import time
 import torch
 
 from .._version import __version__
+from ..runtime.cache import default_cache_dir
+from .call import Call
 from .problem import DTYPES, Problem
 
 logger = logging.getLogger("attnforge")
@@ -37,15 +39,13 @@ def enabled() -> bool:
     return os.environ.get(ENV_VAR, "1") not in ("0", "false", "no", "off")
 
 
-def key_of(backend, problem: Problem) -> str:
+def key_of(backend, variant, problem: Problem) -> str:
     d = problem.device
-    return (f"{backend.name}|{backend.variant(problem)}|{problem.dtype}|d{problem.head_dim}/{problem.head_dim_v}|"
-            f"{'causal' if problem.causal else 'full'}|{d.name}|{d.arch}")
+    return (f"{backend.name}|{variant.name if variant is not None else ''}|{problem.dtype}|"
+            f"d{problem.head_dim}/{problem.head_dim_v}|{problem.mask.describe() or 'full'}|{d.name}|{d.arch}")
 
 
 def _store_path(problem: Problem):
-    from ..codegen.build import default_cache_dir
-
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{problem.device.name}-{problem.device.arch}")
     return default_cache_dir() / "selfcheck" / f"{slug}-{__version__}.json"
 
@@ -70,12 +70,13 @@ def _write(path, key: str, reasons: tuple[str, ...], seconds: float) -> None:
         pass  # a read-only cache only costs the next process a check
 
 
-def reasons(backend, problem: Problem) -> tuple[str, ...]:
-    """Why ``backend`` must not serve ``problem`` on this machine after its self-check (empty: fine).
-    Runs the check the first time a key is seen (in this process and, via the disk, on this machine)."""
+def reasons(backend, variant, problem: Problem) -> tuple[str, ...]:
+    """Why ``backend`` must not serve ``problem`` with ``variant`` on this machine after its self-check
+    (empty: fine). Runs the check the first time a key is seen (in this process and, via the disk, on
+    this machine)."""
     if not enabled() or backend.name in UNCHECKED or not problem.device.present:
         return ()
-    key = key_of(backend, problem)
+    key = key_of(backend, variant, problem)
     if key in _verdicts:
         return _verdicts[key]
     path = _store_path(problem)
@@ -84,7 +85,7 @@ def reasons(backend, problem: Problem) -> tuple[str, ...]:
         _verdicts[key] = tuple(stored["reasons"])
         return _verdicts[key]
     t0 = time.perf_counter()
-    why = _run(backend, problem)
+    why = _run(backend, variant, problem)
     seconds = time.perf_counter() - t0
     costs.append((key, seconds))
     _verdicts[key] = why
@@ -95,8 +96,8 @@ def reasons(backend, problem: Problem) -> tuple[str, ...]:
     return why
 
 
-def _run(backend, problem: Problem) -> tuple[str, ...]:
-    """The tiny problem, on the device, against fp64 math on the same (rounded) inputs."""
+def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
+    """The tiny problem run by ``variant``, on the device, against fp64 math on the same (rounded) inputs."""
     from ..backends.reference import math_attention
     from ..testing import error_and_bound, fp8_peer, rel_error
 
@@ -110,23 +111,23 @@ def _run(backend, problem: Problem) -> tuple[str, ...]:
                rand(HEADS_KV, SEQLEN_K, problem.head_dim_v))
     scale = problem.head_dim ** -0.5
     try:
-        out, _ = backend.forward(q, k, v, causal=problem.causal, scale=scale, dropout_p=0.0)
+        out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask))
     except Exception as exc:  # a kernel that cannot even run is as broken as a wrong one
         return (f"self-check failed: the tiny problem raised {type(exc).__name__}: {str(exc)[:200]}",)
-    ref, _ = math_attention(q.double(), k.double(), v.double(), causal=problem.causal, scale=scale)
+    ref, _ = math_attention(q.double(), k.double(), v.double(), mask=problem.mask, scale=scale)
     if not torch.isfinite(out).all():
         return ("self-check failed: NaN or inf in the output of a tiny problem",)
     if problem.dtype == "fp8":  # as the FP8 tests: relative Frobenius error, at most 1.2x that of rounding P to
         # e4m3 (FP8's own error; torch has no fp8 matmul to compare with)
         err = rel_error(out, ref)
-        peer_rel = rel_error(fp8_peer(q.float(), k.float(), v.float(), causal=problem.causal, scale=scale), ref)
+        peer_rel = rel_error(fp8_peer(q.float(), k.float(), v.float(), mask=problem.mask, scale=scale), ref)
         if not err <= 1.2 * peer_rel + 2 ** -8:
             return (f"self-check failed: relative error {err:.3g} against fp64 math on a tiny problem "
                     f"(FP8's own, P rounded to e4m3: {peer_rel:.3g})",)
         return ()
     # the test suite's rule (testing.assert_close): twice torch's own error computing the same thing in this
     # dtype, plus sqrt(reduction length) units of rounding
-    peer, _ = math_attention(q, k, v, causal=problem.causal, scale=scale)
+    peer, _ = math_attention(q, k, v, mask=problem.mask, scale=scale)
     err, bound, peer_err = error_and_bound(out, ref, peer, ulps=4 * max(SEQLEN_K, problem.head_dim) ** 0.5)
     if err > bound:
         return (f"self-check failed: max error {err:.3g} against fp64 math on a tiny problem "

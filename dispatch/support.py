@@ -17,13 +17,15 @@ class Support:
     archs: frozenset[str] | None = None
     max_head_dim: int | None = None
     head_dim_multiple: int = 1
-    causal: bool = True
+    causal: bool = True  # bottom-right aligned (attention()'s)
+    top_left: bool = False  # causal aligned top-left with seqlen_q != seqlen_k (SDPA's is_causal)
+    window: bool = False  # a sliding window
+    mask_tensor: bool = False  # an explicit attn_mask tensor
     gqa: bool = True
     dropout: bool = True
     return_lse: bool = True
     backward: bool = True
     empty: bool = True  # zero-sized batch, heads or sequence
-    masks: frozenset[str] = frozenset({"none"})  # see Problem.mask
 
     def reasons(self, p: Problem) -> list[str]:
         """One sentence per unmet need of ``p``; empty means supported (forward)."""
@@ -39,18 +41,22 @@ class Support:
             out.append(f"head_dim {max(p.head_dim, p.head_dim_v)} > {self.max_head_dim}")
         if self.head_dim_multiple > 1 and (p.head_dim % self.head_dim_multiple or p.head_dim_v % self.head_dim_multiple):
             out.append(f"head_dim {p.head_dim} is not a multiple of {self.head_dim_multiple}")
-        if p.causal and not self.causal:
+        m = p.mask
+        if m.causal and not m.top_left and not self.causal:
             out.append("causal masking is not supported")
+        if m.top_left and not self.top_left:
+            out.append("SDPA's top-left causal alignment with seqlen_q != seqlen_k is not supported "
+                       "(attention() aligns bottom-right)")
+        if m.windowed and not self.window:
+            out.append("a sliding window is not supported")
+        if m.tensor and not self.mask_tensor:
+            out.append("an attn_mask tensor is not supported")
         if p.gqa and not self.gqa:
             out.append(f"grouped-query attention ({p.heads_q} q heads / {p.heads_kv} kv heads) is not supported")
         if p.dropout and not self.dropout:
             out.append("dropout_p > 0 is not supported")
         if p.return_lse and not self.return_lse:
             out.append("return_lse=True is not supported (it does not give the LSE)")
-        if p.mask not in self.masks:
-            out.append({"tensor": "an attn_mask tensor is not supported",
-                        "causal_top_left": "SDPA's top-left causal alignment with seqlen_q != seqlen_k is not supported "
-                                           "(attention() aligns bottom-right)"}[p.mask])
         if p.empty and not self.empty:
             out.append("empty problem (a zero-sized batch, heads or sequence) is not supported")
         return out

@@ -1,24 +1,61 @@
 """FlashAttention-4-style forward for Blackwell (sm100) in the CuTe DSL: tcgen05 MMAs into tensor memory.
 
-Kernels are rendered from templates/cute_sm100_fwd.py.jinja into _generated/, one per variant of
-variants.py, and compiled for sm_100a (compile.py). Compiled and checked in SASS on machines with no
+Kernels are rendered from templates/cute_sm100_fwd.py.jinja into the cache, one module per tile of
+variants.py, and compiled for sm_100a (runtime/cute.py). Compiled and checked in SASS on machines with no
 Blackwell GPU; never run on one yet, which is what the self-check on first use is for. Forward only:
 the backward is triton_fa2's, from this forward's LSE.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
+from ...codegen import Source
 from ...dispatch.problem import Problem
-from ...dispatch.registry import Backend
+from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
-from ..cute_sm90.backend import _DTYPE_NAME, LOG2_E, _lse_prototype, _tma_ready, cute_stack_missing
-from ..inputs import nonnegative_scale
+from ...dispatch.variant import Variant
+from ...runtime import cute
+from ..shared.cute_host import LOG2_E, lse_like, stack_missing, tma_ready
+from ..shared.inputs import nonnegative_scale
 from . import compile as cc
 from . import variants
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100Variant(Variant):
+    """One compiled cute_sm100 forward: a tile for a head dim, compiled for a dtype and causality."""
+
+    tile: variants.Sm100FwdTile
+    head_dim: int
+    dtype: str
+    causal: bool
+
+    @property
+    def module(self) -> str:
+        return self.tile.module(self.head_dim)
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.dtype}.{'causal' if self.causal else 'full'}"
+
+    def describe(self) -> str:
+        return f"fwd {self.tile.describe()}"
+
+    @property
+    def source(self) -> Source:
+        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim), self.module)
+
+    @functools.cached_property
+    def build(self) -> cute.CuteBuild:
+        return cc.cute_build(self.source, self.dtype, self.causal)
+
+    @functools.cached_property
+    def kernel(self):
+        return cute.compiled(self.build)
 
 
 class CuteSm100Backend(Backend):
@@ -27,7 +64,7 @@ class CuteSm100Backend(Backend):
     support = Support(
         vendors=frozenset({"nvidia"}),
         archs=frozenset({"sm100"}),
-        dtypes=frozenset({"fp16", "bf16"}),
+        dtypes=frozenset(cc.DTYPES),
         max_head_dim=max(variants.HEAD_DIMS),
         dropout=False,
         backward=False,  # triton_fa2's backward runs from this forward's LSE
@@ -35,33 +72,41 @@ class CuteSm100Backend(Backend):
     )
 
     def available(self) -> list[str]:
-        return cute_stack_missing()
+        return stack_missing()
 
-    def supports(self, problem: Problem) -> list[str]:
-        reasons = self.support.reasons(problem)
+    def _plan(self, problem: Problem) -> Planned:
+        reasons = []
         if problem.head_dim_v != problem.head_dim:
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
-        if problem.head_dim <= max(variants.HEAD_DIMS):
-            reasons += variants.pick(problem.head_dim)[1]
-        return reasons
+        tile, why = variants.pick(problem.head_dim)
+        reasons += why
+        if reasons:
+            return None, reasons
+        return Sm100Variant(tile, problem.head_dim, problem.dtype, problem.causal), []
 
-    def variant(self, problem: Problem) -> str:
-        tile, _ = variants.pick(problem.head_dim)
-        return f"fwd {tile.describe()}" if tile else ""
+    def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False) -> list[Sm100Variant]:
+        if archs is not None and "sm100" not in archs:
+            return []
+        out = []
+        for dtype in dtypes or cc.DTYPES:
+            if dtype not in cc.DTYPES:
+                continue  # fp8 is not built for sm100 yet
+            for head_dim in head_dims or variants.HEAD_DIMS:
+                tile, why = variants.pick(head_dim)
+                if tile is None:
+                    if strict:
+                        raise ValueError(f"cute_sm100 d={head_dim}: " + "; ".join(why))
+                    continue
+                out += [Sm100Variant(tile, head_dim, dtype, flag) for flag in causal]
+        return out
 
-    @staticmethod
-    @functools.lru_cache(maxsize=None)
-    def module(head_dim: int) -> str:
-        tile, reasons = variants.pick(head_dim)
-        if tile is None:
-            raise RuntimeError("; ".join(reasons))
-        return tile.module(head_dim)
+    def builds(self, variant: Sm100Variant) -> list:
+        return [variant.build]
 
-    def forward(self, q, k, v, *, causal, scale, dropout_p, **mask):
-        q, scale = nonnegative_scale(q, scale)
-        q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-        kernel = cc.compiled(self.module(q.shape[-1]), _DTYPE_NAME[q.dtype], causal)
+    def forward(self, variant: Sm100Variant, call):
+        q, scale = nonnegative_scale(call.q, call.scale)
+        q, k, v = tma_ready(q), tma_ready(call.k), tma_ready(call.v)
         out = torch.empty_like(q)
-        lse = torch.empty_like(_lse_prototype(q.shape[:3], q.device))
-        kernel(q, k, v, out, lse, scale * LOG2_E)
+        lse = lse_like(q.shape[:3], q.device)
+        variant.kernel(q, k, v, out, lse, scale * LOG2_E)
         return out, lse

@@ -88,8 +88,3 @@ def pick(head_dim: int) -> tuple[Sm100FwdTile | None, list[str]]:
 
 def picks() -> list[tuple[int, Sm100FwdTile]]:
     return [(d, t) for d in HEAD_DIMS for t, _ in [pick(d)] if t is not None]
-
-
-def codegen_targets() -> list[tuple[str, dict, str]]:
-    return [("cute_sm100_fwd.py.jinja", tile.params(head_dim), f"backends/cute_sm100/_generated/{tile.module(head_dim)}.py")
-            for head_dim, tile in picks()]

@@ -1,44 +1,71 @@
 """FlashAttention-3-style forward for Hopper (sm90) in the CuTe DSL: TMA, WGMMA, warp specialization.
 
-Kernels are rendered from templates/cute_sm90_fwd.py.jinja into _generated/, one per variant of
-variants.py; compile.py compiles them (once per machine, cached on disk) and calls them through TVM
-FFI. Forward only: the backward is triton_fa2's, from this forward's output and LSE, and the
-Decision shows that choice.
+Kernels are rendered from templates/cute_sm90_fwd.py.jinja into the cache, one module per tile of
+variants.py; runtime/cute.py compiles them (once per machine, cached on disk) and calls them through TVM
+FFI. Forward only: the backward is triton_fa2's, from this forward's output and LSE, and the Decision
+shows that choice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import importlib.util
 
 import torch
 
+from ...codegen import Source
 from ...dispatch.problem import Problem
-from ...dispatch.registry import Backend
+from ...dispatch.registry import Backend, Planned, registered
 from ...dispatch.support import Support
-from ..inputs import nonnegative_scale
+from ...dispatch.variant import Variant
+from ...runtime import cute
+from ..shared.cute_host import LOG2_E, lse_like, stack_missing, tma_ready
+from ..shared.inputs import nonnegative_scale
 from . import compile as cc
 from . import tail_split, variants
-from .v_layout import prepare_v_fp8
+from .v_layout import aot_build, prepare_v_fp8
 
 
-_DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
-LOG2_E = 1.4426950408889634  # the kernels work in exp2: they take scale * log2(e)
+@dataclasses.dataclass(frozen=True)
+class Sm90Variant(Variant):
+    """One compiled cute_sm90 forward: a tile of the table for an input kind and head dim, compiled for a
+    dtype and causality."""
+
+    tile: variants.Sm90FwdTile
+    kind: str
+    head_dim: int
+    dtype: str
+    causal: bool
+
+    @property
+    def module(self) -> str:
+        return self.tile.module(self.head_dim, self.kind)
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.dtype}.{'causal' if self.causal else 'full'}"
+
+    def describe(self) -> str:
+        return f"fwd {self.tile.describe()}"
+
+    @property
+    def source(self) -> Source:
+        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind), self.module)
+
+    @functools.cached_property
+    def build(self) -> cute.CuteBuild:
+        return cc.cute_build(self.source, self.dtype, self.causal)
+
+    @functools.cached_property
+    def kernel(self):
+        """The callable compiled kernel (loaded or compiled on first use; then an attribute lookup)."""
+        return cute.compiled(self.build)
 
 
 @functools.lru_cache(maxsize=None)
 def max_ctas(device: torch.device) -> int:
     """The CTA count a persistent cute_sm90 kernel launches on ``device``: its SM count (one CTA fits per SM)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """TMA needs unit stride on head_dim, 16-byte aligned other strides and a 16-byte aligned start.
-    (Every head_dim served is a multiple of 16 bytes, so a fresh contiguous copy qualifies.)"""
-    if t.data_ptr() % 16 == 0 and (t.is_contiguous() or (
-            t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2: float, *, causal: bool,
@@ -73,27 +100,13 @@ def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2
     return plan
 
 
-@functools.lru_cache(maxsize=256)
-def _lse_prototype(shape: torch.Size, device: torch.device) -> torch.Tensor:
-    """One fp32 element expanded to the LSE's shape: torch.empty_like() of it allocates a contiguous LSE
-    in about a third of torch.empty(shape, ...)'s time (no shape and device parsing; ~1 vs ~2.8 us on CPU)."""
-    return torch.empty(1, dtype=torch.float32, device=device).expand(shape)
-
-
-def cute_stack_missing() -> list[str]:
-    """The reason the CuTe-DSL backends cannot run in this process, if a package they need is missing."""
-    missing = [pkg for mod, pkg in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"))
-               if importlib.util.find_spec(mod) is None]
-    return [f"{', '.join(missing)} not installed (pip install 'attnforge[cute]')"] if missing else []
-
-
 class CuteSm90Backend(Backend):
     name = "cute_sm90"
     summary = "FA3-style TMA + WGMMA forward in the CuTe DSL (templates/cute_sm90_fwd.py.jinja)"
     support = Support(
         vendors=frozenset({"nvidia"}),
         archs=frozenset({"sm90"}),
-        dtypes=frozenset({"fp16", "bf16", "fp8"}),  # fp8 = e4m3 in (with descales), bf16 out
+        dtypes=frozenset(cc.DTYPES),  # fp8 = e4m3 in (with descales), bf16 out
         max_head_dim=max(variants.HEAD_DIMS),
         dropout=False,  # no Philox mask in the kernel; sdpa serves dropout
         backward=False,  # triton_fa2's backward runs from this forward's LSE
@@ -101,75 +114,63 @@ class CuteSm90Backend(Backend):
     )
 
     def available(self) -> list[str]:
-        return cute_stack_missing()
+        return stack_missing()
 
-    @staticmethod
-    def _kind(problem: Problem) -> str:
-        return cc.KIND.get(problem.dtype, "16bit")
-
-    def supports(self, problem: Problem) -> list[str]:
-        reasons = self.support.reasons(problem)
+    def _plan(self, problem: Problem) -> Planned:
+        reasons = []
         if problem.head_dim_v != problem.head_dim:
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
-        if problem.head_dim not in variants.HEAD_DIMS:
-            if problem.head_dim <= max(variants.HEAD_DIMS):  # larger ones already have their reason
-                reasons.append(f"head_dim {problem.head_dim} has no cute_sm90 kernel "
-                               f"(has {', '.join(map(str, variants.HEAD_DIMS))})")
-        else:
-            reasons += variants.pick(self._kind(problem), problem.head_dim)[1]
-        return reasons
+        kind = cc.KIND[problem.dtype]
+        tile, why = variants.pick(kind, problem.head_dim)
+        reasons += why
+        if reasons:
+            return None, reasons
+        return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal), []
 
     def passed_over(self, problem: Problem) -> list[str]:
-        lo, hi, measured = variants.TRITON_FASTER.get((self._kind(problem), problem.head_dim), (0, 0, ""))
+        lo, hi, measured = variants.TRITON_FASTER.get((cc.KIND[problem.dtype], problem.head_dim), (0, 0, ""))
         if not lo <= problem.seqlen_k < hi:
             return []
-        from ...dispatch.registry import registered
-
         triton = registered().get("triton_fa2")
         if triton is None or triton.available() or triton.supports(problem):
             return []  # nothing faster can take it: keep it
         return [f"triton_fa2 measured faster at head_dim {problem.head_dim} with {lo} <= seqlen_k < {hi} "
                 f"({measured}; see backends/cute_sm90/variants.py)"]
 
-    def variant(self, problem: Problem) -> str:
-        tile, _ = variants.pick(self._kind(problem), problem.head_dim)
-        return f"fwd {tile.describe()}" if tile else ""
+    def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False) -> list[Sm90Variant]:
+        if archs is not None and "sm90" not in archs:
+            return []
+        out = []
+        for dtype in dtypes or cc.DTYPES:
+            if dtype not in cc.DTYPES:
+                if strict:
+                    raise ValueError(f"cute_sm90 builds {', '.join(cc.DTYPES)}, not {dtype!r}")
+                continue
+            for head_dim in head_dims or variants.HEAD_DIMS:
+                tile, why = variants.pick(cc.KIND[dtype], head_dim)
+                if tile is None:
+                    if strict:
+                        raise ValueError(f"cute_sm90 d={head_dim}: " + "; ".join(why))
+                    continue
+                out += [Sm90Variant(tile, cc.KIND[dtype], head_dim, dtype, flag) for flag in causal]
+        return out
 
-    @staticmethod
-    @functools.lru_cache(maxsize=None)
-    def tile(dtype: torch.dtype, head_dim: int) -> variants.Sm90FwdTile:
-        """The picked variant (cached: forward() runs on every call)."""
-        tile, reasons = variants.pick(cc.KIND[_DTYPE_NAME[dtype]], head_dim)
-        if tile is None:  # supports() said so first; this guards direct calls
-            raise RuntimeError("; ".join(reasons))
-        return tile
+    def builds(self, variant: Sm90Variant) -> list:
+        return [variant.build] + ([aot_build("sm90")] if variant.dtype == "fp8" else [])  # FP8's V^T kernel (Triton)
 
-    @staticmethod
-    def module(dtype: torch.dtype, head_dim: int) -> str:
-        """The generated module of the picked variant."""
-        return CuteSm90Backend.picked(dtype, head_dim)[1]
-
-    @staticmethod
-    @functools.lru_cache(maxsize=None)
-    def picked(dtype: torch.dtype, head_dim: int) -> tuple[variants.Sm90FwdTile, str]:
-        """(tile, generated module) of the picked variant: one cached lookup on every forward() call."""
-        tile = CuteSm90Backend.tile(dtype, head_dim)
-        return tile, tile.module(head_dim, cc.KIND[_DTYPE_NAME[dtype]])
-
-    def forward(self, q, k, v, *, causal, scale, dropout_p, descale=None, **mask):
-        q, scale = nonnegative_scale(q, scale)
-        q, k = _tma_ready(q), _tma_ready(k)
-        dtype = _DTYPE_NAME[q.dtype]
-        tile, module = self.picked(q.dtype, q.shape[-1])
-        kernel = cc.compiled(module, dtype, causal)
-        lse = torch.empty_like(_lse_prototype(q.shape[:3], q.device))
+    def forward(self, variant: Sm90Variant, call):
+        q, scale = nonnegative_scale(call.q, call.scale)
+        q, k = tma_ready(q), tma_ready(call.k)
+        lse = lse_like(q.shape[:3], q.device)
         scale_log2 = scale * LOG2_E
-        if dtype == "fp8":
+        if variant.dtype == "fp8":
             out = torch.empty_like(q, dtype=torch.bfloat16)
+            descale = call.descale
             if descale is None:
                 descale = torch.ones(3, k.shape[0], k.shape[1], dtype=torch.float32, device=q.device)
-            run_kernel(kernel, tile, q, k, prepare_v_fp8(v), out, lse, scale_log2, causal=causal, descale=descale)
+            run_kernel(variant.kernel, variant.tile, q, k, prepare_v_fp8(call.v), out, lse, scale_log2,
+                       causal=variant.causal, descale=descale)
         else:
             out = torch.empty_like(q)  # q's strides when q is dense, else contiguous: TMA-ready either way
-            run_kernel(kernel, tile, q, k, _tma_ready(v), out, lse, scale_log2, causal=causal)
+            run_kernel(variant.kernel, variant.tile, q, k, tma_ready(call.v), out, lse, scale_log2, causal=variant.causal)
         return out, lse

@@ -113,7 +113,7 @@ def combine(p: Plan, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Te
             tile_m: int) -> None:
     """Merge the pieces of the plan's tail tiles into out (batch, heads, seqlen_q, head_dim) and lse (batch,
     heads, seqlen_q), both with unit stride on their last dimension."""
-    from ..triton_fa2.runtime import launch
+    from ...runtime.triton_launch import launch
     from . import tail_split_kernel as k
 
     if out.stride(-1) != 1 or lse.stride(-1) != 1:

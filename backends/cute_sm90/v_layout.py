@@ -54,7 +54,7 @@ def prepare_v_fp8(v: torch.Tensor, use_triton: bool | None = None, out: torch.Te
     if out is None:
         out = torch.empty(b, h, d, padded, dtype=torch.uint8, device=v.device)
     if out.numel():
-        from ..triton_fa2.runtime import launch
+        from ...runtime.triton_launch import launch
 
         grid = (-(-padded // k.BLOCK_KEYS), -(-d // k.BLOCK_DIMS), b * h)
         args = (raw, out, n, padded, d, h, raw.stride(0), raw.stride(1), raw.stride(2))
@@ -65,9 +65,10 @@ def prepare_v_fp8(v: torch.Tensor, use_triton: bool | None = None, out: torch.Te
 
 def aot_build(arch: str = "sm90"):
     """The KernelBuild `attnforge build` compiles for this kernel (head-dim generic: head_dim 0), named as
-    triton_fa2.runtime.launch looks it up."""
-    from ...codegen import build
+    runtime.triton_launch looks it up."""
+    from ...runtime.triton_aot import KernelBuild
     from . import v_layout_kernel as k
 
-    return build.KernelBuild("v_layout_kernel", "transpose_permute_keys", arch, "fp8", 0, False, k.NUM_WARPS,
-                             k.NUM_STAGES, package=__package__)
+    return KernelBuild(k.__file__, "v_layout_kernel", "transpose_permute_keys", arch, "fp8", 0, False, k.NUM_WARPS,
+                       k.NUM_STAGES, signature=tuple(k.AOT_SIGNATURE.items()), constexprs=tuple(k.AOT_CONSTEXPRS.items()),
+                       aligned=k.AOT_ALIGNED)

@@ -1,5 +1,5 @@
 """The Triton kernel behind v_layout.prepare_v_fp8, with what `attnforge build` needs to compile it ahead
-of time (its signature and constants as data, read by codegen/build.py). Imported on first use: it
+of time (its signature and constants as data, for runtime/triton_aot.py). Imported on first use: it
 imports triton."""
 
 import triton

@@ -236,9 +236,3 @@ def picks() -> list[tuple[str, int, Sm90FwdTile]]:
             if tile is not None:
                 out.append((kind, head_dim, tile))
     return out
-
-
-def codegen_targets() -> list[tuple[str, dict, str]]:
-    """(template, parameters, module path inside the package) for every module codegen renders."""
-    return [("cute_sm90_fwd.py.jinja", tile.params(head_dim, kind),
-             f"backends/cute_sm90/_generated/{tile.module(head_dim, kind)}.py") for kind, head_dim, tile in picks()]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ...dispatch.problem import Problem
-from ...dispatch.registry import Backend
+from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
+from ...dispatch.variant import TorchVariant
 from . import kernels
 
 
@@ -14,15 +15,22 @@ class ReferenceBackend(Backend):
     support = Support(
         vendors=frozenset({"nvidia", "amd", "cpu"}),
         dtypes=frozenset({"fp16", "bf16", "fp32", "fp64"}),
+        top_left=True,  # the mask model's rule, written once in torch (dispatch/mask.py)
         dropout=False,  # the dropout mask would have to be regenerated in backward; sdpa serves dropout
     )
 
-    def variant(self, problem: Problem) -> str:
+    def _variant(self, problem: Problem) -> TorchVariant:
         acc = "fp64" if problem.dtype == "fp64" else "fp32"
-        return f"torch ops, key tiles of {kernels.BLOCK_N}, {acc} accumulation"
+        return TorchVariant(f"torch ops, key tiles of {kernels.BLOCK_N}, {acc} accumulation")
 
-    def forward(self, q, k, v, *, causal, scale, dropout_p, **mask):
-        return kernels.forward(q, k, v, causal=causal, scale=scale)
+    def _plan(self, problem: Problem) -> Planned:
+        return self._variant(problem), []
 
-    def backward(self, q, k, v, out, lse, dout, *, causal, scale):
-        return kernels.backward(q, k, v, out, lse, dout, causal=causal, scale=scale)
+    def _plan_backward(self, problem: Problem) -> Planned:
+        return self._variant(problem), []
+
+    def forward(self, variant, call):
+        return kernels.forward(call.q, call.k, call.v, mask=call.mask, scale=call.scale)
+
+    def backward(self, variant, call, out, lse, dout):
+        return kernels.backward(call.q, call.k, call.v, out, lse, dout, mask=call.mask, scale=call.scale)

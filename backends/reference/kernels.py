@@ -6,13 +6,16 @@ the probabilities from the saved LSE (FA2 Algorithm 2). Accumulation is fp32, or
 inputs, which makes it the test oracle. GQA is computed by viewing q as (batch, heads_kv, group,
 seqlen, d) against k/v broadcast over the group: no copies of k or v.
 
-Masking follows FlashAttention: with causal, key j is visible to query i iff j <= i + (Nk - Nq)
-(aligned bottom-right); a query row that sees no key gives output 0 and LSE -inf.
+Masking is the package's one mask model (dispatch/mask.py): with causal, key j is visible to query i
+iff j <= i + (Nk - Nq) (aligned bottom-right, FlashAttention's), or j <= i with ``top_left``; a query
+row that sees no key gives output 0 and LSE -inf.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ...dispatch.mask import CAUSAL, NONE, Mask
 
 BLOCK_N = 128  # keys per tile; bounds the score tile at (batch*heads, seqlen_q, 128)
 
@@ -26,24 +29,31 @@ def _grouped(q: torch.Tensor, heads_kv: int, acc: torch.dtype) -> torch.Tensor:
     return q.unflatten(1, (heads_kv, q.shape[1] // heads_kv)).to(acc)
 
 
-def _mask_tile(s: torch.Tensor, start: int, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+def as_mask(causal: bool = False, mask: Mask | None = None) -> Mask:
+    """``mask`` if given, else the bottom-right causal mask or none (the ``causal=`` shorthand)."""
+    return mask if mask is not None else CAUSAL if causal else NONE
+
+
+def _mask_tile(s: torch.Tensor, start: int, seqlen_q: int, seqlen_k: int, mask: Mask) -> torch.Tensor:
     rows = torch.arange(seqlen_q, device=s.device)[:, None]
     cols = torch.arange(start, start + s.shape[-1], device=s.device)[None, :]
-    return s.masked_fill(cols > rows + (seqlen_k - seqlen_q), float("-inf"))
+    hidden = mask.hidden(rows, cols, seqlen_q, seqlen_k)
+    return s if hidden is None else s.masked_fill(hidden, float("-inf"))
 
 
-def _key_tile(qg, k, v, start, block_n, scale, causal, acc_t):
+def _key_tile(qg, k, v, start, block_n, scale, mask, acc_t):
     """Key/value tile [start, start + block_n) broadcast over the query group, and its (masked) scores."""
     kb = k[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
     vb = v[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
     s = (qg @ kb.transpose(-1, -2)) * scale
-    if causal:
-        s = _mask_tile(s, start, qg.shape[-2], k.shape[2])
+    if mask.by_rule:
+        s = _mask_tile(s, start, qg.shape[-2], k.shape[2], mask)
     return kb, vb, s
 
 
-def forward(q, k, v, *, causal: bool, scale: float, block_n: int = BLOCK_N):
+def forward(q, k, v, *, causal: bool = False, scale: float, block_n: int = BLOCK_N, mask: Mask | None = None):
     """Returns (out in q's dtype, LSE in fp32 (fp64 for fp64 inputs)). Shapes (B, H, N, D)."""
+    mask = as_mask(causal, mask)
     acc_t = accumulation_dtype(q.dtype)
     batch, heads_q, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
@@ -54,7 +64,7 @@ def forward(q, k, v, *, causal: bool, scale: float, block_n: int = BLOCK_N):
     l = torch.zeros_like(m)
     acc = torch.zeros(*qg.shape[:-1], v.shape[-1], dtype=acc_t, device=q.device)
     for start in range(0, seqlen_k, block_n):
-        _, vb, s = _key_tile(qg, k, v, start, block_n, scale, causal, acc_t)
+        _, vb, s = _key_tile(qg, k, v, start, block_n, scale, mask, acc_t)
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: avoid inf - inf
         p = torch.exp(s - m_safe[..., None])
@@ -68,8 +78,10 @@ def forward(q, k, v, *, causal: bool, scale: float, block_n: int = BLOCK_N):
     return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
 
 
-def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, block_n: int = BLOCK_N):
+def backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float, block_n: int = BLOCK_N,
+             mask: Mask | None = None):
     """(dq, dk, dv) in the inputs' dtypes, recomputing P = exp(S - LSE) tile by tile."""
+    mask = as_mask(causal, mask)
     acc_t = accumulation_dtype(q.dtype)
     batch, heads_q, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
@@ -84,7 +96,7 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, block_n: in
     lse_g = _grouped(lse, heads_kv, acc_t).masked_fill(lse.unflatten(1, (heads_kv, -1)) == float("-inf"), float("inf"))
     dq = torch.zeros_like(qg)
     for start in range(0, seqlen_k, block_n):
-        kb, vb, s = _key_tile(qg, k, v, start, block_n, scale, causal, acc_t)
+        kb, vb, s = _key_tile(qg, k, v, start, block_n, scale, mask, acc_t)
         p = torch.exp(s - lse_g[..., None])
         dv[:, :, start:start + block_n] = (p.transpose(-1, -2) @ dog).sum(2)  # sum over the query-head group
         dp = dog @ vb.transpose(-1, -2)
@@ -94,21 +106,23 @@ def backward(q, k, v, out, lse, dout, *, causal: bool, scale: float, block_n: in
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None):
+def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask: Mask | None = None):
     """Plain materialised attention (scores, softmax, matmul) in the inputs' dtype: the textbook
-    definition with FlashAttention's masking conventions. Meant for fp64 checks at small sizes."""
-    p, lse = math_probabilities(q, k, causal=causal, scale=scale)
+    definition with FlashAttention's masking conventions (``causal`` aligns bottom-right; ``mask``, a
+    dispatch.mask.Mask, says more). Meant for fp64 checks at small sizes."""
+    p, lse = math_probabilities(q, k, causal=causal, scale=scale, mask=mask)
     return p @ v.repeat_interleave(q.shape[1] // k.shape[1], dim=1), lse
 
 
-def math_probabilities(q, k, *, causal: bool = False, scale: float | None = None):
+def math_probabilities(q, k, *, causal: bool = False, scale: float | None = None, mask: Mask | None = None):
     """The softmax probabilities P (batch, heads_q, seqlen_q, seqlen_k) of math_attention and its LSE."""
+    mask = as_mask(causal, mask)
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     s = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        s = _mask_tile(s, 0, seqlen_q, seqlen_k)
+    if mask.by_rule:
+        s = _mask_tile(s, 0, seqlen_q, seqlen_k, mask)
     dead = (s == float("-inf")).all(-1, keepdim=True)  # rows that see no key: output 0, LSE -inf
     s = s.masked_fill(dead, 0.0)  # keeps softmax and its gradient free of NaN on those rows
     p = torch.softmax(s, -1).masked_fill(dead, 0.0)

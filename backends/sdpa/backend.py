@@ -17,9 +17,10 @@ from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import causal_lower_right
 
 from ...dispatch.problem import DTYPES, Problem
-from ...dispatch.registry import Backend
+from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
-from ..inputs import nonnegative_scale
+from ...dispatch.variant import TorchVariant
+from ..shared.inputs import nonnegative_scale
 
 
 class SdpaBackend(Backend):
@@ -30,15 +31,18 @@ class SdpaBackend(Backend):
         vendors=frozenset({"nvidia", "amd", "cpu"}),
         dtypes=frozenset({"fp16", "bf16", "fp32", "fp64"}),
         return_lse=False,
-        empty=False,
-        masks=frozenset({"none", "tensor", "causal_top_left"}),  # attnforge.sdpa() passes SDPA's own masks through  # torch's fused kernels disagree on zero-sized inputs; reference handles them
+        empty=False,  # torch's fused kernels disagree on zero-sized inputs; reference handles them
+        top_left=True, mask_tensor=True,  # attnforge.sdpa() passes SDPA's own masks through
     )
 
-    def variant(self, problem: Problem) -> str:
+    def _plan(self, problem: Problem) -> Planned:
+        return TorchVariant(self._kernel(problem)), []
+
+    def _kernel(self, problem: Problem) -> str:
         """The SDPA kernel torch reports for these shapes (asked on stand-in tensors) where it can say."""
         if not problem.device.present:
             return "kernel chosen by torch at run time (device not present to ask)"
-        if problem.mask != "none":
+        if problem.mask.tensor or problem.mask.top_left:
             return "kernel chosen by torch at run time (SDPA's own mask semantics)"
         if problem.causal and problem.seqlen_q < problem.seqlen_k:
             return "kernel chosen by torch at run time (lower-right causal bias)"
@@ -57,12 +61,15 @@ class SdpaBackend(Backend):
         except Exception as exc:  # private API: if it moves, say so rather than fail the decision
             return f"kernel chosen by torch at run time ({type(exc).__name__} asking torch)"
 
-    def forward(self, q, k, v, *, causal, scale, dropout_p, attn_mask=None, top_left=False):
-        q, scale = nonnegative_scale(q, scale)
+    def forward(self, variant, call):
+        q, scale = nonnegative_scale(call.q, call.scale)
+        k, v, mask = call.k, call.v, call.mask
+        causal = mask.causal
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-        kwargs = dict(dropout_p=dropout_p, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        if attn_mask is not None or top_left:  # SDPA's own semantics, as attnforge.sdpa() promises
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=top_left, **kwargs), None
+        kwargs = dict(dropout_p=call.dropout_p, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        if mask.tensor or mask.top_left:  # SDPA's own semantics, as attnforge.sdpa() promises
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=call.attn_mask, is_causal=mask.top_left,
+                                                  **kwargs), None
         if not causal or seqlen_q == seqlen_k:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kwargs), None
         if seqlen_q < seqlen_k:

@@ -10,18 +10,20 @@ persisted winner (if it still passes check()); `attnforge explain` shows "(tuned
 from __future__ import annotations
 
 import datetime
-import importlib
 import json
 import pathlib
 
 import torch
 
+from ...codegen import Source
+from ...runtime import generated
+from ...runtime.cache import default_cache_dir
 from . import variants
+
+TEMPLATES = {"fwd": "triton_fa2_fwd.py.jinja", "bwd": "triton_fa2_bwd.py.jinja"}
 
 
 def winners_path(arch: str, cache_dir=None) -> pathlib.Path:
-    from ...codegen.build import default_cache_dir
-
     return pathlib.Path(cache_dir or default_cache_dir()) / f"triton_fa2-tuned-{arch}.json"
 
 
@@ -31,7 +33,8 @@ def candidates(family: str, arch: str, head_dim: int) -> list:
 
 
 def _module(tile):
-    return importlib.import_module(f"attnforge.backends.triton_fa2._generated.{tile.module}")
+    family = "fwd" if isinstance(tile, variants.FwdTile) else "bwd"
+    return generated.load(Source.of(TEMPLATES[family], tile.params(), tile.module))
 
 
 def tune(head_dims=(64, 128), seqlen: int = 4096, dtype=torch.bfloat16, progress=print) -> dict:
@@ -97,8 +100,5 @@ def save(doc: dict, cache_dir=None) -> pathlib.Path:
     path = winners_path(doc["arch"], cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1))
-    variants.clear_tuned()
-    from ...dispatch.registry import get
-
-    get("triton_fa2").forget_modules()  # the kernel modules picked per (arch, head dim) may have changed
+    variants.clear_tuned()  # the decisions made before hold the old picks: the caller clears them
     return path

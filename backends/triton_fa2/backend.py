@@ -1,22 +1,27 @@
 """FA2-style Triton attention for NVIDIA (sm80+), forward and backward, from generated kernels.
 
 Tiles come from variants.py per arch and head dim; the kernel modules are rendered from
-templates/triton_fa2_{fwd,bwd}.py.jinja into _generated/. With TRITON_INTERPRET=1 the same kernels
-run on CPU tensors in Triton's interpreter (tests and debugging), using the sm80 tiles.
+templates/triton_fa2_{fwd,bwd}.py.jinja into the cache on first use (or by `attnforge build`). With
+TRITON_INTERPRET=1 the same kernels run on CPU tensors in Triton's interpreter (tests and debugging),
+using the sm80 tiles.
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
+import functools
 import os
 
 import torch
 
-from ...dispatch.device import detect
+from ...codegen import Source
 from ...dispatch.problem import Problem
-from ...dispatch.registry import Backend
+from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
-from . import variants
+from ...dispatch.variant import Variant
+from ...runtime import generated
+from . import aot, variants
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -27,14 +32,49 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+@dataclasses.dataclass(frozen=True)
+class TritonVariant(Variant):
+    """One generated Triton module (a forward or a backward tile) for an arch, head dim, dtype and causality.
+    ``arch`` is the arch whose table the tile came from (the interpreter uses its backend's
+    interpreter_arch)."""
+
+    family: str  # "fwd" or "bwd"
+    tile: variants.FwdTile | variants.BwdTile
+    template: str
+    arch: str
+    head_dim: int
+    dtype: str
+    causal: bool
+    tuned: bool = False
+    interpreted: bool = False
+
+    @property
+    def name(self) -> str:
+        return (f"{self.tile.module}.{self.arch}.{self.dtype}.d{self.head_dim}."
+                f"{'causal' if self.causal else 'full'}")
+
+    def describe(self) -> str:
+        return (self.tile.describe() + (" (tuned)" if self.tuned else "")
+                + (" (interpreter)" if self.interpreted else ""))
+
+    @property
+    def source(self) -> Source:
+        return Source.of(self.template, self.tile.params(), self.tile.module)
+
+    @functools.cached_property
+    def module(self):
+        """The generated module, rendered into the cache and imported on first use."""
+        return generated.load(self.source)
+
+
 class TritonFA2Backend(Backend):
-    """Also the base of triton_rocm: a subclass swaps the variant tables, the generated package and
-    the arch whose tiles the interpreter uses; the kernels' math is the same."""
+    """Also the base of triton_rocm: a subclass swaps the variant tables, the templates and the arch whose
+    tiles the interpreter uses; the kernels' math is the same."""
 
     name = "triton_fa2"
     summary = "FA2-style Triton kernels rendered from templates/triton_fa2_*.py.jinja"
-    variants = variants
-    generated = f"{__package__}._generated"
+    variants_table = variants
+    templates = {"fwd": "triton_fa2_fwd.py.jinja", "bwd": "triton_fa2_bwd.py.jinja"}
     interpreter_arch = "sm80"  # tiles used when the interpreter runs the kernels on the CPU
     support = Support(
         vendors=frozenset({"nvidia", "cpu"}),
@@ -45,29 +85,6 @@ class TritonFA2Backend(Backend):
         empty=False,  # zero-sized grids; reference serves empty problems
     )
 
-    def __init__(self):
-        self._modules: dict[tuple, object] = {}
-
-    def _arch(self, spec) -> str:
-        return self.interpreter_arch if spec.vendor == "cpu" else spec.arch
-
-    def _pick(self, family: str, arch: str, head_dim: int):
-        table = self.variants.FWD if family == "fwd" else self.variants.BWD
-        return variants.pick(table, arch, head_dim, backend=self.name)
-
-    def module(self, family: str, arch: str, head_dim: int):
-        """The generated kernel module for (family, arch, head_dim), imported once per process."""
-        key = (family, arch, head_dim)
-        if key not in self._modules:
-            tile, reasons = self._pick(family, arch, head_dim)
-            if tile is None:  # supports() said so first; this guards direct calls
-                raise RuntimeError("; ".join(reasons))
-            self._modules[key] = importlib.import_module(f"{self.generated}.{tile.module}")
-        return self._modules[key]
-
-    def forget_modules(self) -> None:
-        self._modules.clear()
-
     def available(self) -> list[str]:
         try:
             import triton  # noqa: F401
@@ -75,42 +92,65 @@ class TritonFA2Backend(Backend):
             return [f"triton is not importable ({exc})"]
         return []
 
-    def _reasons(self, problem: Problem, family: str) -> list[str]:
+    def _table(self, family: str) -> dict:
+        return self.variants_table.FWD if family == "fwd" else self.variants_table.BWD
+
+    def _variant(self, family: str, arch: str, head_dim: int, dtype: str, causal: bool,
+                 interpreted: bool = False) -> Planned:
+        tile, reasons = variants.pick(self._table(family), arch, head_dim, backend=self.name)
+        if tile is None:
+            return None, reasons
+        tuned = self.variants_table is variants and tile == variants.tuned_tile(family, arch, head_dim)
+        return TritonVariant(family, tile, self.templates[family], arch, head_dim, dtype, causal, tuned, interpreted), []
+
+    def _plan_family(self, problem: Problem, family: str) -> Planned:
         reasons = []
-        if problem.device.vendor == "cpu" and not interpreting():
+        cpu = problem.device.vendor == "cpu"
+        if cpu and not interpreting():
             reasons.append("runs on the CPU only in Triton's interpreter (TRITON_INTERPRET=1, for tests)")
         if problem.head_dim_v != problem.head_dim:
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
-        arch = self._arch(problem.device)
-        if arch in self.variants.FWD and problem.head_dim <= max(variants.HEAD_DIMS):
-            reasons += self._pick(family, arch, problem.head_dim)[1]
-        return reasons
+        arch = self.interpreter_arch if cpu else problem.device.arch
+        variant, why = self._variant(family, arch, problem.head_dim, problem.dtype, problem.causal, cpu)
+        reasons += why
+        return (None, reasons) if reasons else (variant, [])
 
-    def supports(self, problem: Problem) -> list[str]:
-        return self.support.reasons(problem) + self._reasons(problem, "fwd")
+    def _plan(self, problem: Problem) -> Planned:
+        return self._plan_family(problem, "fwd")
 
-    def supports_backward(self, problem: Problem) -> list[str]:
-        return self.support.backward_reasons(problem) + self._reasons(problem, "bwd")
+    def _plan_backward(self, problem: Problem) -> Planned:
+        return self._plan_family(problem, "bwd")
 
-    def variant(self, problem: Problem) -> str:
-        arch = self._arch(problem.device)
-        fwd, _ = self._pick("fwd", arch, problem.head_dim)
-        bwd, _ = self._pick("bwd", arch, problem.head_dim)
-        parts = [t.describe() + (" (tuned)" if t == variants.tuned_tile(family, arch, problem.head_dim) else "")
-                 for family, t in (("fwd", fwd), ("bwd", bwd)) if t is not None]
-        return "; ".join(parts) + (" (interpreter)" if problem.device.vendor == "cpu" else "")
+    def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False) -> list[TritonVariant]:
+        own = self.variants_table.FWD
+        out = []
+        for arch in (own if archs is None else [a for a in archs if a in own]):
+            for head_dim in head_dims or variants.HEAD_DIMS:
+                for dtype in dtypes or ("fp16", "bf16"):
+                    if dtype not in self.support.dtypes:
+                        continue
+                    for flag in causal:
+                        for family in ("fwd", "bwd"):
+                            variant, why = self._variant(family, arch, head_dim, dtype, flag)
+                            if variant is None:
+                                if strict:
+                                    raise ValueError(f"{self.name} {arch} d={head_dim}: " + "; ".join(why))
+                                continue
+                            out.append(variant)
+        return out
 
-    def forward(self, q, k, v, *, causal, scale, dropout_p, **mask):
-        q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-        module = self.module("fwd", self._arch(detect(q.device)), q.shape[-1])
+    def builds(self, variant: TritonVariant) -> list:
+        return aot.builds(variant, generated.path_for(variant.source))
+
+    def forward(self, variant: TritonVariant, call):
+        q, k, v = _unit_stride(call.q), _unit_stride(call.k), _unit_stride(call.v)
         out = torch.empty_like(q)  # same strides as q when q is dense (bshd stays bshd), else contiguous
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        module.launch(q, k, v, out, lse, causal=causal, scale=scale)
+        variant.module.launch(q, k, v, out, lse, causal=variant.causal, scale=call.scale)
         return out, lse
 
-    def backward(self, q, k, v, out, lse, dout, *, causal, scale):
-        q, k, v, dout = _unit_stride(q), _unit_stride(k), _unit_stride(v), _unit_stride(dout)
-        module = self.module("bwd", self._arch(detect(q.device)), q.shape[-1])
+    def backward(self, variant: TritonVariant, call, out, lse, dout):
+        q, k, v, dout = _unit_stride(call.q), _unit_stride(call.k), _unit_stride(call.v), _unit_stride(dout)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        module.launch(q, k, v, out, lse, dout, dq, dk, dv, causal=causal, scale=scale)
+        variant.module.launch(q, k, v, out, lse, dout, dq, dk, dv, causal=variant.causal, scale=call.scale)
         return dq, dk, dv

@@ -207,11 +207,11 @@ def tuned_tile(family: str, arch: str, head_dim: int) -> FwdTile | BwdTile | Non
 def pick(table: dict, arch: str, head_dim: int, tuned: bool = True,
          backend: str = "triton_fa2") -> tuple[FwdTile | BwdTile | None, list[str]]:
     """The tile for (arch, head_dim): a winner `attnforge tune` persisted (triton_fa2's tables), if it
-    passes check() and was rendered; else the first tile of the table's list that passes check(),
+    passes check(); else the first tile of the table's list that passes check(),
     with the reasons none did (when none did)."""
     if tuned and (table is FWD or table is BWD):
         winner = tuned_tile("fwd" if table is FWD else "bwd", arch, head_dim)
-        if winner is not None and not check(winner, arch, head_dim) and winner.module in _rendered():
+        if winner is not None and not check(winner, arch, head_dim):
             return winner, []
     if arch not in table:
         return None, [f"no {backend} tiles for {arch} (has {', '.join(table)})"]
@@ -225,20 +225,6 @@ def pick(table: dict, arch: str, head_dim: int, tuned: bool = True,
             return tile, []
         reasons += why
     return None, reasons
-
-
-def codegen_targets() -> list[tuple[str, dict, str]]:
-    """(template, parameters, module path inside the package) for every module codegen renders."""
-    fwd, bwd = all_tiles()
-    out = [("triton_fa2_fwd.py.jinja", t.params(), f"backends/triton_fa2/_generated/{t.module}.py") for t in fwd]
-    out += [("triton_fa2_bwd.py.jinja", t.params(), f"backends/triton_fa2/_generated/{t.module}.py") for t in bwd]
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _rendered() -> frozenset[str]:
-    fwd, bwd = all_tiles()
-    return frozenset(t.module for t in fwd + bwd)
 
 
 def tiles_of(table: dict) -> list:

@@ -11,8 +11,8 @@ from . import variants
 class TritonRocmBackend(TritonFA2Backend):
     name = "triton_rocm"
     summary = "FA2-style Triton kernels tuned for AMD CDNA (compiled and interpreter-tested, not run on AMD hardware)"
-    variants = variants
-    generated = f"{__package__}._generated"
+    variants_table = variants
+    templates = {"fwd": "triton_rocm_fwd.py.jinja", "bwd": "triton_rocm_bwd.py.jinja"}
     interpreter_arch = "gfx942"
     support = Support(
         vendors=frozenset({"amd", "cpu"}),

@@ -18,7 +18,7 @@ import dataclasses
 
 from ..triton_fa2.variants import HEAD_DIMS, BwdTile, FwdTile, tiles_of
 
-__all__ = ["BWD", "FWD", "HEAD_DIMS", "RocmBwdTile", "RocmFwdTile", "codegen_targets"]
+__all__ = ["BWD", "FWD", "HEAD_DIMS", "RocmBwdTile", "RocmFwdTile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +85,3 @@ BWD: dict[str, dict[int, list[RocmBwdTile]]] = {"gfx90a": _CDNA_BWD, "gfx942": _
 
 def all_tiles():
     return tiles_of(FWD), tiles_of(BWD)
-
-
-def codegen_targets() -> list[tuple[str, dict, str]]:
-    fwd, bwd = all_tiles()
-    out = [("triton_rocm_fwd.py.jinja", t.params(), f"backends/triton_rocm/_generated/{t.module}.py") for t in fwd]
-    out += [("triton_rocm_bwd.py.jinja", t.params(), f"backends/triton_rocm/_generated/{t.module}.py") for t in bwd]
-    return out

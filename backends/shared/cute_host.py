@@ -1,0 +1,101 @@
+"""Host-side pieces the CuTe-DSL backends (cute_sm90, cute_sm100) share: dtype names, input preparation for
+TMA, the LSE allocation, the fake arguments their kernels are compiled against, and the compile factory
+runtime.cute calls."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from ...runtime.cute import import_cutlass
+
+DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
+LOG2_E = 1.4426950408889634  # the kernels work in exp2: they take scale * log2(e)
+FACTORY = f"{__name__}:compile_arguments"  # what runtime.cute calls to trace a kernel of these backends
+
+
+def stack_missing() -> list[str]:
+    """The reason the CuTe-DSL backends cannot run in this process, if a package they need is missing."""
+    missing = [pkg for mod, pkg in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"))
+               if importlib.util.find_spec(mod) is None]
+    return [f"{', '.join(missing)} not installed (pip install 'attnforge[cute]')"] if missing else []
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """TMA needs unit stride on head_dim, 16-byte aligned other strides and a 16-byte aligned start.
+    (Every head_dim served is a multiple of 16 bytes, so a fresh contiguous copy qualifies.)"""
+    if t.data_ptr() % 16 == 0 and (t.is_contiguous() or (
+            t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@functools.lru_cache(maxsize=256)
+def _lse_prototype(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.float32, device=device).expand(shape)
+
+
+def lse_like(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """A contiguous fp32 LSE of ``shape``: torch.empty_like() of a cached one-element prototype expanded to
+    the shape allocates in about a third of torch.empty(shape, ...)'s time (no shape and device parsing;
+    ~1 vs ~2.8 us on CPU)."""
+    return torch.empty_like(_lse_prototype(shape, device))
+
+
+def elements(dtype: str, arch: str):
+    """(input, output) CuTe element types: FP8 (e4m3) in gives bf16 out."""
+    cutlass = import_cutlass(arch)
+    element = {"fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "fp8": cutlass.Float8E4M3FN}[dtype]
+    return element, (cutlass.BFloat16 if dtype == "fp8" else element)
+
+
+def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = False,
+                   tail_split: bool = False):
+    """Fake arguments for cute.compile: q, k, v, out (batch, heads, seqlen, head_dim) with symbolic sizes
+    and strides (16-byte aligned rows, as TMA needs), fp32 LSE (batch, heads, seqlen), then for FP8
+    the descales (3, batch, heads_kv) in fp32, then scale_log2, with ``takes_max_ctas`` the Int32 CTA count a
+    persistent kernel may launch (cute_sm90's take it; pass the SM count), with ``tail_split`` the pieces'
+    fp32 workspaces (pieces, tile_m, head_dim) and (pieces, tile_m) and two Int32 counts (see cute_sm90/tail_split.py),
+    and the stream. FP8's v is V^T (batch, heads_kv, head_dim, seqlen_k padded to 32): see cute_sm90/v_layout.py."""
+    cutlass = import_cutlass(arch)
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    element, out_element = elements(dtype, arch)
+    batch, heads_q, heads_kv, seqlen_q, seqlen_k, seqlen_v = (cute.sym_int32() for _ in range(6))
+
+    def tensor(elem, *shape):
+        strides = [cute.sym_int64(divisibility=16 // (elem.width // 8)) for _ in range(3)]
+        return make_fake_tensor(elem, shape, (*strides, 1), assumed_align=16)
+
+    lse = make_fake_tensor(cutlass.Float32, (batch, heads_q, seqlen_q), (cute.sym_int64(), cute.sym_int64(), 1),
+                           assumed_align=4)
+    q, k = tensor(element, batch, heads_q, seqlen_q, head_dim), tensor(element, batch, heads_kv, seqlen_k, head_dim)
+    out = tensor(out_element, batch, heads_q, seqlen_q, head_dim)
+    max_ctas = (cutlass.Int32(1),) if takes_max_ctas else ()
+    split = ()
+    if tail_split:
+        pieces, rows = cute.sym_int32(), cute.sym_int32()
+        split = (make_fake_tensor(cutlass.Float32, (pieces, rows, head_dim), (cute.sym_int64(divisibility=4), head_dim, 1),
+                                  assumed_align=16),
+                 make_fake_tensor(cutlass.Float32, (pieces, rows), (cute.sym_int64(), 1), assumed_align=4),
+                 cutlass.Int32(1), cutlass.Int32(1))
+    tail = (cutlass.Float32(1.0), *max_ctas, *split, make_fake_stream(use_tvm_ffi_env_stream=True))
+    if dtype != "fp8":
+        return (q, k, tensor(element, batch, heads_kv, seqlen_k, head_dim), out, lse, *tail)
+    v_t = tensor(element, batch, heads_kv, head_dim, seqlen_v)
+    descale = make_fake_tensor(cutlass.Float32, (3, batch, heads_kv), (cute.sym_int64(), cute.sym_int64(), 1),
+                               assumed_align=4)
+    return (q, k, v_t, out, lse, descale, *tail)
+
+
+def compile_arguments(module, dtype: str, causal: bool, arch: str):
+    """runtime.cute's factory for these backends' kernels: the generated module's Forward for (dtype, causal)
+    and the fake arguments it is traced with (the module says whether it takes the CTA count and the tail
+    split's workspaces: MAX_CTAS_ARGUMENT, TAIL_SPLIT)."""
+    element, out_element = elements(dtype, arch)
+    args = fake_arguments(dtype, module.HEAD_DIM, arch, takes_max_ctas=getattr(module, "MAX_CTAS_ARGUMENT", False),
+                          tail_split=getattr(module, "TAIL_SPLIT", False))
+    return module.Forward(element, out_element, causal), args

@@ -1,1 +1,0 @@
-"""Generated kernel modules (attnforge codegen); do not edit."""

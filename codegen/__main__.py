@@ -1,5 +1,0 @@
-import sys
-
-from .generate import main
-
-sys.exit(main())

@@ -1,0 +1,29 @@
+"""One attention call as backends run it: the tensors, in (batch, heads, seqlen, head_dim) order, and
+everything else that changes the result but not which kernel runs it."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .mask import Mask
+
+
+class Call(NamedTuple):
+    """q, k, v (batch, heads, seqlen, head_dim) with any strides; ``scale`` the softmax scale (a float);
+    ``mask`` the Problem's Mask; ``descale`` (3, batch, heads_kv) fp32 for FP8 inputs; ``attn_mask`` an
+    explicit mask tensor (``attnforge.sdpa``, ``mask.tensor``). A NamedTuple: made on every call, cheaply."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float
+    mask: Mask
+    dropout_p: float = 0.0
+    descale: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+
+    @property
+    def causal(self) -> bool:
+        return self.mask.causal

@@ -1,0 +1,99 @@
+"""Generated kernel modules as build outputs: a template rendered with a variant's parameters into the
+cache (``<cache>/generated/<name>-<digest>.py``, the digest being that of the rendered text) and imported
+from there. Rendering is deterministic, so the same variant always lands in the same file; a file that
+does not hash to its name is data gone bad and is written anew."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import pathlib
+import sys
+import threading
+
+from ..codegen.render import render
+from .cache import default_cache_dir, locked, write_atomic
+
+_lock = threading.Lock()
+_modules: dict[tuple, object] = {}  # (template, params, name, folder) -> module, per process
+
+
+_texts: dict[tuple, str] = {}
+
+
+def _key(template: str, params: dict) -> tuple:
+    return (template, repr(sorted(params.items())))
+
+
+def source(template: str, params: dict) -> str:
+    """The rendered text of ``template`` with ``params`` (rendered once per process)."""
+    key = _key(template, params)
+    text = _texts.get(key)
+    if text is None:
+        text = _texts[key] = render(template, **params)
+    return text
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def path_of(template: str, params: dict, name: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """Where the rendered module lives in the cache, written there (and checked) if need be."""
+    text = source(template, params)
+    folder = pathlib.Path(cache_dir or default_cache_dir()) / "generated"
+    path = folder / f"{name}-{digest(text)}.py"
+    if _intact(path, text):
+        return path
+    with locked(folder / "locks" / f"{path.stem}.lock"):
+        if not _intact(path, text):
+            write_atomic(path, text.encode())
+    return path
+
+
+def _intact(path: pathlib.Path, text: str) -> bool:
+    try:
+        return path.read_bytes() == text.encode()
+    except OSError:
+        return False
+
+
+def load(source, cache_dir: pathlib.Path | None = None):
+    """The module a codegen.Source renders to, imported once per process from the cache."""
+    key = (source, str(cache_dir or default_cache_dir()))
+    module = _modules.get(key)
+    if module is None:
+        with _lock:
+            module = _modules.get(key)
+            if module is None:
+                path = path_of(source.template, source.params, source.name, cache_dir)
+                module = _modules[key] = import_path(path, source.name)
+    return module
+
+
+def path_for(source, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """The cache file of a codegen.Source (rendered there if need be)."""
+    return path_of(source.template, source.params, source.name, cache_dir)
+
+
+def import_path(path, name: str | None = None):
+    """The Python file ``path`` imported as a module of its own, named ``name`` (default: the file's stem).
+    It is registered in sys.modules under a private name: tools that look a function's module up there
+    (dataclasses, pickling in worker processes, tracebacks) then find it."""
+    path = pathlib.Path(path)
+    unique = f"attnforge._kernels.{path.stem.replace('-', '_')}"
+    spec = importlib.util.spec_from_file_location(unique, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[unique] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(unique, None)
+        raise
+    module.VARIANT_NAME = name or path.stem
+    return module
+
+
+def forget() -> None:
+    """Forget the modules this process imported (tests that change the cache folder)."""
+    _modules.clear()

@@ -1,0 +1,258 @@
+"""Ahead-of-time compilation of Triton kernels (no GPU needed) into the build cache, and loading them back.
+
+``triton.compile`` with a GPUTarget compiles a kernel for any NVIDIA (or AMD) target on a machine with
+no GPU. A ``KernelBuild`` says everything the compile needs as data: the file that defines the kernel,
+its name, target, signature and constants. The cache entry is keyed by attnforge's version, the
+kernel file's source, the Triton version, the target and the variant; each key is built under a file
+lock, published by rename, and an entry whose binary does not match the digest recorded beside it is
+deleted and rebuilt.
+
+Triton's own cache is not shipped: its key hashes libtriton and absolute paths, so an entry made on
+one machine is not found on another. An entry here holds the binary and Triton's metadata JSON, from
+which ``triton.compiler.CompiledKernel`` launches with no compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from .._version import __version__
+from .cache import locked
+
+# Instructions that show a kernel uses what its target offers: HMMA (sm80/89 mma.sync), HGMMA/QGMMA
+# (sm90 WGMMA, 16- and 8-bit), UTMALDG (sm90 TMA loads), LDGSTS (cp.async), UTCHMMA (sm100 tcgen05),
+# v_mfma (CDNA matrix cores). See docs/kernel-notes.md.
+MARKERS = r"\b(HMMA\.\w+|HGMMA\.\w+|UTMALDG\.\w+|LDGSTS|UTCHMMA\w*|QGMMA\.\w+|v_mfma\w+)"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBuild:
+    """One @triton.jit kernel of one Python file, specialised for a target, dtype, head dim and causality.
+
+    ``signature``: (parameter, Triton type) for every parameter, constexprs as "constexpr";
+    ``constexprs``: (name, value) of the constexpr parameters; ``aligned``: the pointer parameters
+    compiled as 16-byte aligned; ``options``: further compile options ((name, value) pairs: AMD's
+    waves_per_eu, ...). ``head_dim`` 0 names a kernel that serves every head dim."""
+
+    path: str
+    module: str  # the name the build is listed under (the variant's module name)
+    kernel: str
+    arch: str  # "sm80", "sm90", "gfx942", ...
+    dtype: str
+    head_dim: int
+    causal: bool
+    num_warps: int
+    num_stages: int
+    signature: tuple = ()
+    constexprs: tuple = ()
+    aligned: tuple = ()
+    options: tuple = ()
+
+    @property
+    def amd(self) -> bool:
+        return self.arch.startswith("gfx")
+
+    def target(self):
+        from triton.backends.compiler import GPUTarget
+
+        if self.amd:
+            return GPUTarget("hip", self.arch, 64)
+        return GPUTarget("cuda", int(self.arch.removeprefix("sm")), 32)
+
+    def name(self) -> str:
+        return (f"{self.module}.{self.kernel}.{self.arch}.{self.dtype}.d{self.head_dim or 'any'}."
+                f"{'causal' if self.causal else 'full'}")
+
+
+_file_modules: dict[str, object] = {}
+
+
+def kernel_function(path: str, kernel: str):
+    """The @triton.jit function ``kernel`` of the Python file ``path`` (imported once per process; a
+    file inside an imported package is found under its own module name)."""
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) == path and hasattr(module, kernel):
+            return getattr(module, kernel)
+    if path not in _file_modules:
+        from .generated import import_path
+
+        _file_modules[path] = import_path(path)
+    return getattr(_file_modules[path], kernel)
+
+
+def source_of(build: KernelBuild, signature=None, constexprs=None, aligned=None):
+    """Triton's ASTSource for the kernel, specialised as the build says (or as the given fields)."""
+    from triton.compiler import ASTSource
+
+    sig = dict(build.signature if signature is None else signature)
+    aligned = build.aligned if aligned is None else aligned
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name in aligned}
+    return ASTSource(fn=kernel_function(build.path, build.kernel), signature=sig,
+                     constexprs=dict(build.constexprs if constexprs is None else constexprs), attrs=attrs)
+
+
+def compile_kernel(build: KernelBuild):
+    """triton.compile the kernel for its target; returns the CompiledKernel."""
+    import triton
+
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # explicit: it is in Triton's cache key
+    return triton.compile(source_of(build), target=build.target(),
+                          options={"num_warps": build.num_warps, "num_stages": build.num_stages, **dict(build.options)})
+
+
+def fingerprint(build: KernelBuild) -> str:
+    """The cache key: attnforge version, the kernel file's source, Triton version, target and variant."""
+    import triton
+
+    h = hashlib.sha256()
+    for part in (__version__, triton.__version__, os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"), build.name(),
+                 str(build.num_warps), str(build.num_stages), repr(build.options)):
+        h.update(part.encode() + b"\0")
+    h.update(pathlib.Path(build.path).read_bytes())
+    return h.hexdigest()[:32]
+
+
+def _nvidia_tool(name: str) -> str:
+    import triton
+
+    return str(pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def cuobjdump(*args: str) -> str:
+    """The output of the cuobjdump that Triton ships (SASS listings, resource usage), no GPU needed."""
+    return subprocess.run([_nvidia_tool("cuobjdump"), *args], capture_output=True, text=True, check=True).stdout
+
+
+def sass(cubin: bytes) -> str:
+    """The SASS listing of a cubin (cuobjdump -sass)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return cuobjdump("-sass", f.name)
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers, stack (spill) bytes and local memory of a cubin, from cuobjdump -res-usage."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = cuobjdump("-res-usage", f.name)
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return {"registers": int(fields.get("REG", 0)), "stack_bytes": int(fields.get("STACK", 0)),
+            "local_bytes": int(fields.get("LOCAL", 0))}
+
+
+def amd_resources(amdgcn: str) -> dict:
+    """VGPRs, scratch (spill) bytes and spilled VGPRs from a kernel's AMDGCN listing."""
+    def first(pattern):
+        found = re.findall(pattern, amdgcn)
+        return int(found[0]) if found else 0
+    return {"registers": first(r"\.vgpr_count:\s*(\d+)"), "stack_bytes": first(r"; ScratchSize: (\d+)"),
+            "local_bytes": 0, "vgpr_spills": first(r"\.vgpr_spill_count:\s*(\d+)")}
+
+
+def instructions(asm: str) -> list[str]:
+    """The matrix-core and TMA instructions a kernel's SASS or AMDGCN uses."""
+    return sorted(set(re.findall(MARKERS, asm)))
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read_entry(entry: pathlib.Path) -> dict | None:
+    """The entry's metadata if the entry is whole: its binary matches the recorded size and digest."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        json.loads((entry / "triton.json").read_text())
+        binary = (entry / meta["binary"]).read_bytes()
+        if len(binary) != meta["binary_bytes"] or _sha256(binary) != meta["binary_sha256"]:
+            return None
+        return meta
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def load_cached(build: KernelBuild, cache_dir: pathlib.Path):
+    """The CompiledKernel for ``build`` from the cache, ready to launch with no compilation, or None when
+    the cache has no whole entry for it, or one compiled with other constants."""
+    entry = pathlib.Path(cache_dir) / fingerprint(build)
+    meta = _read_entry(entry)
+    if meta is None:
+        return None
+    if build.constexprs and dict(build.constexprs) != {name: value for name, value in meta["constexprs"]}:
+        return None
+    from triton.compiler.compiler import CompiledKernel
+
+    name, binary = meta["kernel_name"], meta["binary"]
+    src = source_of(build, signature=[tuple(s) for s in meta["signature"]],
+                    constexprs=[tuple(c) for c in meta["constexprs"]], aligned=tuple(meta["aligned"]))
+    return CompiledKernel(src, {f"{name}.json": str(entry / "triton.json"),
+                                f"{name}{pathlib.Path(binary).suffix}": str(entry / binary)}, meta["key"])
+
+
+def build_cached(build: KernelBuild, cache_dir: pathlib.Path, keep_asm: bool = False) -> tuple[dict, bool]:
+    """Compile ``build`` into ``cache_dir`` unless a whole entry is there. Returns (meta, built_now)."""
+    cache_dir = pathlib.Path(cache_dir)
+    key = fingerprint(build)
+    entry = cache_dir / key
+    with locked(cache_dir / "locks" / f"{key}.lock"):
+        meta = _read_entry(entry)
+        if meta is not None and (not keep_asm or meta.get("asm")):
+            return meta, False
+        if entry.exists():  # corrupt, partial or without the listings asked for: rebuild from scratch
+            shutil.rmtree(entry)
+        ck = compile_kernel(build)
+        tmp = pathlib.Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}."))
+        binary_kind = "hsaco" if build.amd else "cubin"
+        binary = ck.asm[binary_kind]
+        (tmp / f"kernel.{binary_kind}").write_bytes(binary)
+        if build.amd:  # the AMDGCN listing is small and holds the resource counts: always kept
+            asm = {"kernel.amdgcn": ck.asm["amdgcn"]}
+            res = amd_resources(asm["kernel.amdgcn"])
+        else:
+            res = resources(binary)
+            asm = {"kernel.ptx": ck.asm["ptx"], "kernel.sass": ck.asm["sass"]} if keep_asm else {}
+        for name, text in asm.items():
+            (tmp / name).write_text(text)
+        listing = next(iter(asm.values()), None) if build.amd else asm.get("kernel.sass")
+        # Triton's own metadata, from which triton.compiler.CompiledKernel loads the binary at run time.
+        triton_json = next(p for name, p in ck.metadata_group.items() if name.endswith(".json"))
+        shutil.copyfile(triton_json, tmp / "triton.json")
+        meta = {"build": {k: v for k, v in dataclasses.asdict(build).items() if k != "path"}, "key": key,
+                "kernel_name": ck.metadata.name, "shared_bytes": ck.metadata.shared,
+                "binary": f"kernel.{binary_kind}", "binary_bytes": len(binary), "binary_sha256": _sha256(binary),
+                "signature": [list(s) for s in build.signature], "constexprs": [list(c) for c in build.constexprs],
+                "aligned": list(build.aligned), **res, "asm": sorted(asm),
+                "instructions": instructions(listing) if listing else None}
+        meta = json.loads(json.dumps(meta))  # as a later read will see it (tuples become lists)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a deployment's cache is read by its users
+        tmp.rename(entry)  # atomic: a reader sees no entry or a whole one
+        return meta, True
+
+
+def run(builds: list[KernelBuild], cache_dir: pathlib.Path, keep_asm: bool = False, progress=print) -> list[dict]:
+    """Build (or find in the cache) every kernel of ``builds``, reporting each as it goes."""
+    import time
+
+    results = []
+    for i, b in enumerate(builds, 1):
+        t0 = time.perf_counter()
+        meta, built = build_cached(b, cache_dir, keep_asm)
+        what = f"built in {time.perf_counter() - t0:.1f}s" if built else "cached"
+        spill = f", SPILLS {meta['stack_bytes']} B" if meta["stack_bytes"] else ""
+        insns = f", {' '.join(meta['instructions'])}" if meta.get("instructions") else ""
+        progress(f"[{i}/{len(builds)}] {b.name()}: {what} ({meta['registers']} {'VGPRs' if b.amd else 'registers'}, "
+                 f"{meta['shared_bytes'] // 1024} KiB shared{spill}{insns})")
+        results.append(meta)
+    return results

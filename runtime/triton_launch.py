@@ -1,0 +1,89 @@
+"""Launching a Triton kernel: the prebuilt one from ``attnforge build``'s cache when there is one for this
+kernel, target, dtype and head dim (so the first call compiles nothing), else Triton's JIT.
+
+A launch is matched to a build by the kernel's file and name, the target, the dtype and the constexprs
+``D`` (head dim; absent: a head-dim-generic kernel) and ``CAUSAL``, the names attnforge's kernels give
+them. A prebuilt kernel was compiled assuming 16-byte-aligned pointers and 32-bit integer arguments; a
+call that breaks either goes to the JIT, which specialises for it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from .cache import default_cache_dir
+
+_MISSING = object()
+_PREBUILT: dict[tuple, object] = {}  # per process: (kernel, device, dtype name, constexprs, warps, stages) -> kernel or None
+_INT32 = 2**31 - 1
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _compatible(args) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.data_ptr() % 16:
+                return False
+        elif isinstance(a, int) and not -_INT32 <= a <= _INT32:
+            return False
+    return True
+
+
+def _arch(device: torch.device) -> str | None:
+    """The sm arch of an NVIDIA device (None on AMD or anything else: those always JIT)."""
+    if torch.version.hip is not None:
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def module_name(fn) -> str:
+    """The name a kernel's file is built under: a generated module's variant name, else the file's stem."""
+    module = sys.modules.get(fn.__module__)
+    name = getattr(module, "VARIANT_NAME", None)
+    return name or fn.__module__.rsplit(".", 1)[-1]
+
+
+def find_prebuilt(kernel, device: torch.device, dtype_name: str | None, constexprs: dict, num_warps: int,
+                  num_stages: int, cache_dir=None):
+    """The CompiledKernel ``attnforge build`` left in the cache for this launch, or None."""
+    from .triton_aot import KernelBuild, load_cached
+
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or dtype_name is None:
+        return None
+    arch = _arch(device)
+    if arch is None:
+        return None
+    fn = kernel.fn
+    build = KernelBuild(fn.__globals__["__file__"], module_name(fn), fn.__name__, arch, dtype_name,
+                        constexprs.get("D", 0), bool(constexprs.get("CAUSAL", False)), num_warps, num_stages,
+                        constexprs=tuple(constexprs.items()))
+    return load_cached(build, cache_dir or default_cache_dir())
+
+
+def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stages: int, *,
+           dtype_name: str | None = None, **options) -> None:
+    """Run ``kernel`` (a @triton.jit function whose constexpr parameters come last, in ``constexprs``'
+    order) on ``grid``: the prebuilt one when the cache has it, else the JIT. ``dtype_name``: the dtype
+    the build was named for (default: the first argument's, fp16 or bf16). ``options``: further compile
+    options (AMD's waves_per_eu, matrix_instr_nonkdim); kernels with options always go through the JIT."""
+    data = args[0]
+    if dtype_name is None:
+        dtype_name = _DTYPE_NAMES.get(data.dtype)
+    key = (kernel, data.device, dtype_name, tuple(constexprs.items()), num_warps, num_stages)
+    prebuilt = _PREBUILT.get(key, _MISSING)
+    if prebuilt is _MISSING:
+        prebuilt = _PREBUILT[key] = None if options else find_prebuilt(kernel, data.device, dtype_name, constexprs,
+                                                                       num_warps, num_stages)
+    if prebuilt is not None and _compatible(args):
+        prebuilt[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # CompiledKernel wants all three grid sides
+    else:
+        kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options)
+
+
+def clear() -> None:
+    """Forget which prebuilt kernels were found (after a new build in this process, or in tests)."""
+    _PREBUILT.clear()
