@@ -10,7 +10,7 @@ source, and later processes load them from there, so a machine compiles each var
 called through TVM FFI (``--enable-tvm-ffi``): torch tensors go in directly, on the current stream.
 
 The CuTe DSL fixes its target arch when ``cutlass`` is first imported (``CUTE_DSL_ARCH``; with no GPU its
-own detection picks sm_100a, on which WGMMA kernels do not build). A process set up for one arch builds
+own detection picks sm_100a, on which WGMMA kernels do not build; docs/kernel-notes.md section 8). A process set up for one arch builds
 another arch's kernels in a child process.
 """
 

@@ -2,7 +2,7 @@
 tensor memory, shapes) that supports(), codegen and `attnforge build` use.
 
 Where the numbers come from: FlashAttention-4's 128-row Q tiles and 128-key blocks on sm100
-(flash_fwd_sm100.py, via ../shared/notes/cute-dsl-attention.md section 3), with one Q tile per CTA
+(flash_fwd_sm100.py; docs/kernel-notes.md section 11), with one Q tile per CTA
 instead of two; tensor memory: 128 lanes x 512 32-bit columns per CTA, allocated in powers of two
 >= 32 columns (same notes). None of it is measured: there is no Blackwell GPU to run it on.
 """

@@ -8,7 +8,7 @@ lse = log sum_p exp(lse_p), out = sum_p exp(lse_p - lse) out_p. Exact up to fp32
 softmax across key blocks it continues. FlashDecoding's split-KV, used on the tail only, like CUTLASS's
 "data-parallel + stream-K" GEMM schedules.
 
-Measured on the H200 (benchmarks/results/2026-11-29-h200-cute_sm90-session7/NOTES.md), the FP8 d=128 kernel
+Measured on the H200 (benchmarks/results/2026-11-29-h200-cute_sm90-tail_split/, summarised in docs/performance.md), the FP8 d=128 kernel
 (192-row tiles): without splitting, 965-973 TFLOP/s at exactly 7 waves of tiles (B=1, H=11, N=16128) against
 889-890 at 7.17 waves (N=16384), so the part-filled eighth wave cost ~0.7 of a full one (the clock rises while
 few SMs draw power). With the split, at the benchmarks' B=1, H=16, N=16384 (56 tail tiles as 2 pieces each):

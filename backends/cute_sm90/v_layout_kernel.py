@@ -5,7 +5,7 @@ imports triton."""
 import triton
 import triton.language as tl
 
-# Keys x head dims per program. H200, 16k tokens (benchmarks/results/2026-11-29-h200-cute_sm90-session3/
+# Keys x head dims per program. H200, 16k tokens (benchmarks/results/2026-11-29-h200-cute_sm90-fp8-profile/
 # v_layout.json): 128x64 took 21-24 us at d=64/128/256 (~3 TB/s), within 2% of the best shape at each
 # (64x128 at d=128: 22.2 us vs 22.6); torch's strided copy took 115-207 us.
 BLOCK_KEYS, BLOCK_DIMS = 128, 64

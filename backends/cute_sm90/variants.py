@@ -2,8 +2,9 @@
 that supports(), the heuristic, codegen and `attnforge build` use.
 
 Where the numbers come from:
-- tiles: FlashAttention-3's sm90 tile table (hopper/tile_size.h, via ../shared/notes/cute-dsl-attention.md
-  section 4) as the starting point, then the H200 runs in benchmarks/results/ (see each entry);
+- tiles: FlashAttention-3's sm90 tile table (hopper/tile_size.h; docs/kernel-notes.md section 10) as the
+  starting point, then the H200 runs in benchmarks/results/ (each entry cites its data file; folders are
+  abbreviated by what follows "2026-11-29-h200-cute_sm90-" or "2026-11-30-h200-cute_sm90-");
 - registers per thread for the producer / consumer warpgroups: FA3's 24/240 (2 consumer warpgroups)
   and 32/160 (3), which `setmaxnreg` needs to sum to at most 64K per CTA;
 - shared memory: H100/H200 allow 227 KiB per block (opt-in).
@@ -131,71 +132,69 @@ WG2 = dict(consumer_warpgroups=2, producer_registers=24, consumer_registers=240)
 WG3 = dict(consumer_warpgroups=3, producer_registers=32, consumer_registers=160)
 
 # Lists in order of preference; the first tile that passes check() is used.
-# Session 8 (session8/tma_store.json, 5 interleaved rounds, outputs bit-identical to the pick's): the TMA-store
-# epilogue (tma_store) beside each pick, median ratio per round, N=4k / N=16k, full / causal: FP8 d=128
-# 1.053/1.072, 1.044/1.010 (N=16k full 956 vs 914); FP8 d=256 1.091/1.090, 1.006/1.026; FP8 d=64 1.030/1.021,
-# 1.024/0.996; bf16 d=128 1.021/1.041, 1.007/1.017; bf16 d=64 1.024/1.056, 0.998/1.017. Taken by every pick.
+# The TMA-store epilogue (tma_store) beside each pick (tma_store/tma_store.json, 5 interleaved rounds, outputs
+# bit-identical to the pick's), median ratio per round, N=4k / N=16k, full / causal: FP8 d=128 1.053/1.072,
+# 1.044/1.010 (N=16k full 956 vs 914); FP8 d=256 1.091/1.090, 1.006/1.026; FP8 d=64 1.030/1.021, 1.024/0.996;
+# bf16 d=128 1.021/1.041, 1.007/1.017; bf16 d=64 1.024/1.056, 0.998/1.017. Taken by every pick.
 # 16-bit d=256 has no room for O's own buffer (258 KiB of shared memory), so it stages O in Q's (o_in_q;
-# session8/tma_store_d256.json, N=1k/4k/16k full: 1.124/1.059/1.042, causal 1.123/1.050/1.018).
-# Tail split beside the one-CTA-per-tile picks (session8/split_*.json, non-causal): bf16 d=64 at 8 heads
+# tma_store/tma_store_d256.json, N=1k/4k/16k full: 1.124/1.059/1.042, causal 1.123/1.050/1.018).
+# Tail split beside the one-CTA-per-tile picks (tma_store/split_*.json, non-causal): bf16 d=64 at 8 heads
 # 1.060 (N=4k) and 1.119 (N=16k, 537 vs 479), but not taken: the launch-cost problem (B=1, H=8, N=128, d=64,
 # bf16) then goes through run_kernel's split path and the kernel's four extra arguments, and attention() took
-# 22.9 us per call against SDPA's 21.2 in the same run (session8/launch_cost_final.json; 20.2 vs 20.4 without).
+# 22.9 us per call against SDPA's 21.2 in the same run (tma_store/launch_cost_final.json; 20.2 vs 20.4 without).
 # bf16 d=256 1.015/1.011 and FP8 d=256 1.016/1.004 (at the benchmark's 8 heads, 16k tokens): within the noise.
 # FP8 d=128 persistent instead of the tail split 0.992/0.965, 3 stages 0.999/0.995, without the split
-# 0.988/0.956 (session8/fp8_d128_persistent.json).
+# 0.988/0.956 (tma_store/fp8_d128_persistent.json).
 FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     "16bit": {
         # H200 sweep (same file): 128x128 s2 at d=128: 638-642 TFLOP/s at N=16k with or without
         # pingpong, 640 with 3 stages; 128x160 610 and FA3's 128x176 486 (causal 445 / 346).
-        # Session 5, non-causal, persistent vs one CTA per tile (session5/persist_16bit.json): N=1k/4k/16k 526/613/657
+        # Non-causal, persistent vs one CTA per tile (persistent/persist_16bit.json): N=1k/4k/16k 526/613/657
         # vs 500/606/645. At d=64 (192x128: 376/476/525 vs 370/490/532) and d=256 (128x64: 534/637/666 vs
         # 528/632/676) it does not pay, so those stay one CTA per tile.
         128: [Sm90FwdTile(128, 128, 2, persistent=True, tma_store=True, **WG2)],
         # d=64: 128x128 437/411 at N=16k (full/causal) vs 192x128 with 3 warpgroups 381/340, 128x192 419/391.
-        # Session 4, with P converted by inline PTX (with the DSL's conversion the PTX computed every exp2
-        # twice in the 3-warpgroup kernel): 128x128 464/461, 192x128 3 warpgroups 535/497 (FA4's tile,
-        # FA4 540 in session 2). Session 5: its GPU tests passed; side by side (benchmarks/results/
-        # 2026-11-29-h200-cute_sm90-session5/bench.json, N=16k full/causal) 525/485 vs FA4 546/513, cuDNN 459/449.
-        # Its causal kernels keep 56 bytes on the stack (ptxas, at 160 registers; 0-16 before session 5's tile
-        # loop): the stores and loads sit in the loop over the diagonal (masked) blocks, a few per tile; the
-        # unmasked loop has none. With the TMA-store epilogue (session 8) ptxas keeps 16 bytes there.
+        # With P converted by inline PTX (with the DSL's conversion the PTX computed every exp2 twice in the
+        # 3-warpgroup kernel; keyblock-profile/): 128x128 464/461, 192x128 3 warpgroups 535/497 (FA4's tile,
+        # FA4 540). Side by side (persistent/bench.json, N=16k full/causal) 525/485 vs FA4 546/513, cuDNN 459/449.
+        # Its causal kernels kept 56 bytes on the stack (ptxas, at 160 registers; 0-16 before the persistent
+        # tile loop was added to the template): the stores and loads sit in the loop over the diagonal (masked)
+        # blocks, a few per tile; the unmasked loop has none. With the TMA-store epilogue ptxas keeps 16 bytes.
         64: [Sm90FwdTile(192, 128, 2, tma_store=True, accepted_spill_bytes=16, **WG3)],
         # FA3's 128x80 at d=256 vs 128x64: 638/562 vs 645/578 TFLOP/s at N=16k (full/causal), 608 vs 619
-        # at N=4k (H200 sweep, benchmarks/results/2026-11-29-h200-cute_sm90/sweep.json). Session 4, P by
-        # inline PTX (exp2 no longer computed twice): 128x64 698/669.
+        # at N=4k (H200 sweep, benchmarks/results/2026-11-29-h200-cute_sm90/sweep.json). With P converted by
+        # inline PTX (exp2 no longer computed twice; keyblock-profile/): 128x64 698/669.
         256: [Sm90FwdTile(128, 64, 2, tma_store=True, **WG2), Sm90FwdTile(128, 80, 2, tma_store=True, **WG2)],
     },
     # FP8 (e4m3 in, bf16 out), H200 sweep at N=16k (benchmarks/results/2026-11-29-h200-cute_sm90-fp8/
     # sweep_fp8.json), kernel alone, full/causal TFLOP/s: d=64 192x128 with 3 warpgroups 631/616 (128x128
     # 513/501, 128x192 556/561); d=128 128x128 877/879 (128x160, 128x192, 3 stages, no pingpong: no
     # better); d=256 128x128 1168/1145 despite a 56-byte spill (128x96 1089/1056, 128x64 1010/987).
-    # Session 3 (benchmarks/results/2026-11-29-h200-cute_sm90-session3/, d=128 non-causal): 192x64 with 3
-    # warpgroups 819, 192x96 889 vs 878; O rescaled before P V, exp2 partly on the FMA pipe and split row
-    # reductions were all slower. Session 4 (benchmarks/results/2026-11-29-h200-cute_sm90-session4/, d=128):
+    # fp8-profile/ (d=128 non-causal): 192x64 with 3 warpgroups 819, 192x96 889 vs 878; O rescaled before
+    # P V, exp2 partly on the FMA pipe and split row reductions were all slower. keyblock-profile/ (d=128):
     # 192x96 with 3 warpgroups beats 128x128 non-causal in each of four runs (N=16k 888/872, 877/869,
     # 882/857; N=4k +1.5%) but loses causal (866/888 at 16k, 714/738 at 4k), where 128x128 beats cuDNN:
     # 128x128 stays (the table has no causal key). 128x224 882/872 but 800/816 at 4k; skipping O's rescale
     # by warp vote, a speculative softmax (exp2 against the running max) and S one block ahead: slower.
-    # Session 5, non-causal, persistent vs one CTA per tile (session5/persist_fp8.json), N=1k/4k/16k: d=64
+    # Non-causal, persistent vs one CTA per tile (persistent/persist_fp8.json), N=1k/4k/16k: d=64
     # 420/573/639 vs 397/562/638; d=128 634/806/854 vs 613/817/881 and d=256 811/1082/1172 vs 800/1104/1176
     # (not persistent).
-    # Session 6 (session6/fp8rs2_*.json, one run; FP8 relative error unchanged at 2.6e-2): row sums by a WGMMA
+    # row_sum_mma/fp8rs2_*.json (one run; FP8 relative error unchanged at 2.6e-2): row sums by a WGMMA
     # against ones (row_sum_mma) take ~60 of ~440 instructions per warp and key block out of the softmax.
     # d=128 192x96 3 warpgroups: N=16k 936/894 (full/causal) vs 885/855 without, N=4k 859/699 vs 814/677;
     # the 128x128 pick it replaces 887/880, 814/697 (with row_sum_mma 848/869: slower). Persistent 192x96 920
     # (full, 16k). d=64 persistent 192x128: 683/635, 603/494 vs 638/617, 573/484. d=256: equal (1208 vs 1205),
     # not taken. 16-bit: slower at every head dim (its tensor time is twice FP8's), not taken.
     # FlashAttention-4's conditional rescale (stale max kept within 0.8 log2 units, warp vote to skip O's
-    # rescale) on top: slower (session6/thresh_d128.json: 920 vs 958 at d=128, 671 vs 685 at d=64).
+    # rescale) on top: slower (row_sum_mma/thresh_d128.json: 920 vs 958 at d=128, 671 vs 685 at d=64).
     # The d=128 causal kernel keeps 8 bytes on the stack (two values stored before the key-block loops,
     # reloaded after them: none inside the loops).
-    # Session 7 (session7/NOTES.md): at N=16k (B=1, H=16) the 192-row tiles fill 10.42 waves of 132 SMs, and the
+    # tail_split/ (docs/performance.md): at N=16k (B=1, H=16) the 192-row tiles fill 10.42 waves of 132 SMs, and the
     # part-filled 11th cost ~0.7 of a full wave. tail_split runs those tiles as key-range pieces (tail_split.py):
     # 929 vs 903 TFLOP/s (9 interleaved rounds, kernel alone), cuDNN's FP8 926 in the same rounds. Only d=128 has
     # it: at the other picks' benchmark shapes the plan would keep every tile whole.
-    # Session 8: with the TMA-store epilogue the d=256 kernel's spill is 48 bytes (56 before), the d=128 causal
-    # kernel's still 8.
+    # With the TMA-store epilogue the d=256 kernel's spill is 48 bytes (56 before), the d=128 causal kernel's
+    # still 8.
     "fp8": {
         64: [Sm90FwdTile(192, 128, 2, persistent=True, row_sum_mma=True, tma_store=True, **WG3)],
         128: [Sm90FwdTile(192, 96, 2, row_sum_mma=True, tail_split=True, tma_store=True, accepted_spill_bytes=8, **WG3)],
@@ -205,9 +204,9 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
 
 
 # Where triton_fa2 measured faster on the H200: (kind, head_dim) -> ([from, below) seqlen_k, the measurement
-# the Decision quotes). Empty since session 5: d=64 had (1024, 4096) from benchmarks/results/
-# 2026-11-29-h200-cute_sm90/bench.json (N=1024: triton_fa2 332 vs 289 TFLOP/s with the 128x128 kernel),
-# but the 192x128 3-warpgroup kernel now leads at every length timed (session5/bench.json, bf16, 16k
+# the Decision quotes). Empty: d=64 had (1024, 4096) from benchmarks/results/2026-11-29-h200-cute_sm90/
+# bench.json (N=1024: triton_fa2 332 vs 289 TFLOP/s with the 128x128 kernel), but the 192x128
+# 3-warpgroup kernel now leads at every length timed (persistent/bench.json, bf16, 16k
 # tokens, full/causal: N=1024 365/233 vs triton_fa2 333/225; N=4096 480/399 vs 411/352). Shorter
 # sequences: the launch path dominates, and cute_sm90's is the cheaper one (benchmarks/launch_cost.py).
 TRITON_FASTER: dict[tuple[str, int], tuple[int, int, str]] = {}

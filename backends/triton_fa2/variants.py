@@ -1,7 +1,7 @@
 """The triton_fa2 variant table: tile configs per arch and head dim, and the ONE validity check
 that supports(), the heuristic that picks a variant, codegen and the autotuner all use.
 
-Where the numbers come from (../shared/notes/triton-attention.md, sections 2-3):
+Where the numbers come from (docs/kernel-notes.md, sections 2-4):
 - shared memory: Triton 3.9's pointer kernel at d=128 measured Q + (stages-1) x (K + V) tiles plus
   ~8 KiB of layout scratch (64x64 s2: 56 KiB, 128x64 s2: 64 KiB, 128x64 s3: 96 KiB, 128x128 s2: 96 KiB);
 - tiles: FlashAttention-2's CUDA launch templates (sm80 d64 128x128, d128 128x64; sm86/89 64x64
@@ -26,7 +26,7 @@ REGISTERS_PER_THREAD = 255
 LAYOUT_SCRATCH = 8 * 1024
 
 # Opt-in shared memory per block (bytes) of the archs the Triton backends have tables for; on AMD the
-# LDS per workgroup (64 KiB on CDNA2/3, 160 KiB on CDNA4; ../shared/notes/triton-attention.md, section 3).
+# LDS per workgroup (64 KiB on CDNA2/3, 160 KiB on CDNA4; docs/kernel-notes.md, section 3).
 SMEM = {"sm80": 166912, "sm86": 101376, "sm89": 101376, "sm90": 232448, "sm100": 232448, "sm120": 101376,
         "gfx90a": 65536, "gfx942": 65536, "gfx950": 163840}
 NO_TMA = ("sm80", "sm86", "sm89", "gfx90a", "gfx942", "gfx950")

@@ -1,7 +1,7 @@
 """triton_rocm's variant table: AMD CDNA tiles and launch options, checked by triton_fa2's one
 validity check (LDS budget per arch, 64-lane wavefronts, 512 registers per lane).
 
-Where the numbers come from (../shared/notes/triton-attention.md, section 3, AMD rows):
+Where the numbers come from (docs/kernel-notes.md, section 4, AMD part):
 - forward: 128x64, 4 waves, 1 stage, waves_per_eu 2 on gfx942/gfx950 (aiter's MI300X/MI350X MHA
   defaults, Dao-AILab flash_attn_triton_amd); 64x64 on gfx90a (flash_attn's AMD fallback); 1 stage
   because CDNA has no TMA/async copy worth pipelining for this kernel (the tutorials use 1);
