@@ -1,6 +1,6 @@
 """FP8 attention forward beside cuDNN's FP8, interleaved: several rounds, each timing every runner once
 (triton.testing.do_bench medians, CUDA events), the order rotated each round so that the clock's drift under
-the 700 W cap (benchmarks/results/2026-11-29-h200-cute_sm90-session5/NOTES.md) favours none of them. Reports
+the 700 W cap (docs/performance.md, "Power cap") favours none of them. Reports
 each runner's median over the rounds and its ratio to cuDNN's per round. Kernel speed, not model speed; FLOPs =
 4*B*H*N^2*d, halved when causal; 16k tokens per batch, heads = 2048/d; unit descales.
 
@@ -19,12 +19,13 @@ import sys
 import torch
 
 import attnforge
-from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90 import tail_split
 from attnforge.backends.cute_sm90.backend import run_kernel
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.bench.measure import flops, interleaved_ms
 from attnforge.dispatch import registered
+from attnforge.dispatch.mask import CAUSAL, NONE
+from attnforge.dispatch.problem import problem_from_tensors
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from bench_fp8 import cudnn_fp8  # noqa: E402
@@ -42,9 +43,10 @@ def main() -> None:
     b, h = max(16384 // n, 1), 2048 // d
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g).to(torch.float8_e4m3fn) for _ in range(3))
-    backend = registered()["cute_sm90"]
-    tile = backend.tile(torch.float8_e4m3fn, d)
-    kernel = cc.compiled(backend.module(torch.float8_e4m3fn, d), "fp8", causal)
+    variant, reasons = registered()["cute_sm90"].plan(problem_from_tensors(q, k, v, mask=CAUSAL if causal else NONE))
+    if variant is None:
+        raise SystemExit(f"cute_sm90 cannot run fp8 d={d}: {'; '.join(reasons)}")
+    tile, kernel = variant.tile, variant.kernel
     v_t, descale = prepare_v_fp8(v), torch.ones(3, b, h, device="cuda")
     out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(q.shape[:3], device="cuda")

@@ -1,7 +1,7 @@
 """A/B of cute_sm90 variant flags on the picked tiles, interleaved: each picked tile (variants.picks()) beside the
 same tile with some fields changed (e.g. ``--flags tma_store``), on the same inputs, several rounds that each time
 every kernel once (triton.testing.do_bench medians, CUDA events) in an order rotated every round, because the
-H200's clock drifts under its 700 W cap (benchmarks/results/2026-11-29-h200-cute_sm90-session5/NOTES.md).
+H200's clock drifts under its 700 W cap (docs/performance.md, "Power cap").
 Before timing, every output is poisoned with NaN, and each variant's output is compared with the pick's
 (and the pick's with fp32 math on two heads). Kernel speed, not model speed; FLOPs = 4*B*H*N^2*d, halved
 when causal; 16k tokens per batch, heads = 2048/d; FP8 with unit descales.
@@ -12,8 +12,8 @@ when causal; 16k tokens per batch, heads = 2048/d; FP8 with unit descales.
 ``--flags`` takes sets of fields as sweep_cute_sm90.py --variants does: 'persistent+tail_split=0,kv_stages=3'
 is two variants (0 switches a flag off).
 
-The kernels compile in parallel worker processes first (one per variant and mask), each exported to a
-temporary object file that this process loads.
+The modules render into the attnforge cache; the kernels compile in parallel worker processes first (one
+per variant and mask), each exported to a temporary object file that this process loads.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from attnforge.backends.cute_sm90.backend import max_ctas, run_kernel
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.backends.cute_sm90.variants import check, picks
 from attnforge.bench.measure import flops, interleaved_ms
-from attnforge.codegen.render import import_path, load_rendered
+from attnforge.codegen import Source
+from attnforge.runtime import cute
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from sweep_cute_sm90 import variants_of  # noqa: E402
@@ -43,13 +44,13 @@ from sweep_cute_sm90 import variants_of  # noqa: E402
 DTYPE = {"fp8": "fp8", "16bit": "bf16"}
 
 
-def _compile(path: str, dtype: str, causal: bool, obj: str) -> str:
-    """Worker: compile the rendered module at ``path`` and export it to ``obj``."""
-    cc.export(cc.compile_module(import_path(pathlib.Path(path)), dtype, causal), pathlib.Path(obj))
+def _compile(build: cute.CuteBuild, obj: str) -> str:
+    """Worker: compile one kernel (its module rendered already, at ``build.path``) and export it to ``obj``."""
+    cute.export(cute.compile_kernel(build), pathlib.Path(obj))
     return obj
 
 
-def build(jobs: list[tuple[str, str, bool, str]], workers: int) -> None:
+def build(jobs: list[tuple[cute.CuteBuild, str]], workers: int) -> None:
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for future in concurrent.futures.as_completed([pool.submit(_compile, *job) for job in jobs]):
             future.result()
@@ -98,13 +99,12 @@ def main() -> None:
     for kind, d, tiles in groups:
         for tile in tiles:
             name = tile.module(d, kind)
-            path = folder / f"{name}.py"
-            load_rendered("cute_sm90_fwd.py.jinja", path, **tile.params(d, kind))
+            source = Source.of(cc.TEMPLATE, tile.params(d, kind), name)
             for causal in causals:
                 paths[name, causal] = str(folder / f"{name}_{int(causal)}.o")
-                jobs.append((str(path), DTYPE[kind], causal, paths[name, causal]))
+                jobs.append((cc.cute_build(source, DTYPE[kind], causal), paths[name, causal]))  # renders the module
     build(jobs, args.workers)
-    kernels = {key: cc.load(pathlib.Path(obj)) for key, obj in paths.items()}
+    kernels = {key: cute.load(pathlib.Path(obj)) for key, obj in paths.items()}
 
     rows = []
     for kind, d, tiles in groups:

@@ -20,13 +20,14 @@ import torch.nn.functional as F
 import triton.testing
 
 import attnforge
-from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90 import tail_split
 from attnforge.backends.cute_sm90.backend import run_kernel
 from attnforge.backends.cute_sm90 import v_layout
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.bench.measure import flops
 from attnforge.dispatch import registered
+from attnforge.dispatch.mask import CAUSAL, NONE
+from attnforge.dispatch.problem import problem_from_tensors
 from attnforge.testing import rel_error
 
 
@@ -88,9 +89,11 @@ def main() -> None:
                          lambda: attnforge.attention(q8, k8, v8, causal=causal, backend="cute_sm90"),
                          "cute_sm90 bf16 (attention())":
                          lambda: attnforge.attention(qb, kb, vb, causal=causal, backend="cute_sm90")}
-                backend = registered()["cute_sm90"]
-                kernel = cc.compiled(backend.module(torch.float8_e4m3fn, head_dim), "fp8", causal)
-                tile = backend.tile(torch.float8_e4m3fn, head_dim)
+                variant, reasons = registered()["cute_sm90"].plan(
+                    problem_from_tensors(q8, k8, v8, mask=CAUSAL if causal else NONE))
+                if variant is None:
+                    raise SystemExit(f"cute_sm90 cannot run fp8 d={head_dim}: {'; '.join(reasons)}")
+                kernel, tile = variant.kernel, variant.tile
                 v_t = prepare_v_fp8(v8)
                 out = torch.empty(q8.shape, dtype=torch.bfloat16, device="cuda")
                 lse = torch.empty(q8.shape[:3], device="cuda")

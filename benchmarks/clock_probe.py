@@ -22,11 +22,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90.backend import max_ctas, run_kernel
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.bench.measure import flops
 from attnforge.dispatch import registered
+from attnforge.dispatch.mask import CAUSAL, NONE
+from attnforge.dispatch.problem import problem_from_tensors
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from bench_fp8 import cudnn_fp8  # noqa: E402
@@ -81,10 +82,16 @@ def main() -> None:
     ctas = max_ctas(q.device)
     results = []
     for causal in (False, True):
-        fp8 = cc.compiled(backend.module(torch.float8_e4m3fn, d), "fp8", causal)
-        bf16 = cc.compiled(backend.module(torch.bfloat16, d), "bf16", causal)
+        mask = CAUSAL if causal else NONE
+        picked = []  # the fp8 and bf16 variants attention() plans for these inputs
+        for inputs in ((q8, k8, v8), (q, k, v)):
+            variant, reasons = backend.plan(problem_from_tensors(*inputs, mask=mask))
+            if variant is None:
+                raise SystemExit(f"cute_sm90 cannot run {inputs[0].dtype} d={d}: {'; '.join(reasons)}")
+            picked.append(variant)
+        fp8, bf16 = (x.kernel for x in picked)
         vt, descale = prepare_v_fp8(v8), torch.ones(3, b, h, device="cuda")
-        tiles = (backend.tile(torch.float8_e4m3fn, d), backend.tile(torch.bfloat16, d))
+        tiles = tuple(x.tile for x in picked)
         runners = {"cute_sm90 fp8 (kernel)": lambda: run_kernel(  # noqa: B023
                        fp8, tiles[0], q8, k8, vt, out, lse, scale_log2, causal=causal, descale=descale, ctas=ctas),  # noqa: B023
                    "cute_sm90 bf16 (kernel)": lambda: run_kernel(  # noqa: B023

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import attnforge
 from attnforge.bench.measure import wall_us_per_call
 from attnforge.dispatch import registered
+from attnforge.dispatch.call import Call
+from attnforge.dispatch.mask import CAUSAL
 
 
 def main() -> None:
@@ -35,12 +37,12 @@ def main() -> None:
     scale = 64 ** -0.5
     with torch.inference_mode():
         decision = attnforge.explain(q, k, v, causal=True)
-        chosen = registered()[decision.forward.backend]
+        chosen, variant = registered()[decision.forward.backend], decision.forward.variant
         cases = {
             "F.scaled_dot_product_attention (no attnforge)":
                 lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale),
             f"backend {chosen.name}.forward (direct)":
-                lambda: chosen.forward(q, k, v, causal=True, scale=scale, dropout_p=0.0),
+                lambda: chosen.forward(variant, Call(q, k, v, scale, CAUSAL)),
             "attnforge.attention (auto)": lambda: attnforge.attention(q, k, v, causal=True),
             f"attnforge.attention (backend={chosen.name!r})":
                 lambda: attnforge.attention(q, k, v, causal=True, backend=chosen.name),

@@ -33,13 +33,17 @@ def main() -> None:
              "sdpa": lambda: F.scaled_dot_product_attention(q, k, v)}
     decision = attnforge.explain(q, k, v)
     if torch.cuda.get_device_capability() == (9, 0):
-        from attnforge.backends.cute_sm90 import compile as cc
         from attnforge.backends.cute_sm90.backend import run_kernel
         from attnforge.dispatch import registered
+        from attnforge.dispatch.call import Call
+        from attnforge.dispatch.mask import NONE
+        from attnforge.dispatch.problem import problem_from_tensors
 
         backend = registered()["cute_sm90"]
-        kernel = cc.compiled(backend.module(q.dtype, 64), "bf16", False)
-        tile = backend.tile(q.dtype, 64)
+        variant, reasons = backend.plan(problem_from_tensors(q, k, v))
+        if variant is None:
+            raise SystemExit(f"cute_sm90 cannot run {q.dtype} d=64: {'; '.join(reasons)}")
+        kernel, tile = variant.kernel, variant.tile
         out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
         scale_log2 = 64 ** -0.5 * math.log2(math.e)
         # through run_kernel, which passes each kernel the arguments its signature takes (and plans a tail split)
@@ -47,11 +51,10 @@ def main() -> None:
                                                                         causal=False)
         # where the rest goes: the backend's forward() without the dispatcher, the dispatcher alone
         # (a cached Decision lookup) and the two output allocations
-        impls["cute_sm90 forward(), no dispatch"] = lambda: backend.forward(q, k, v, causal=False, scale=0.125,
-                                                                           dropout_p=0.0)
+        impls["cute_sm90 forward(), no dispatch"] = lambda: backend.forward(variant, Call(q, k, v, 0.125, NONE))
         from attnforge.dispatch.select import decide_call
 
-        impls["dispatch only (decide_call)"] = lambda: decide_call(q, k, v, "bhsd", False, 0.0, False, None)
+        impls["dispatch only (decide_call)"] = lambda: decide_call(q, k, v, "bhsd", NONE, 0.0, False, None)
         impls["two torch.empty (out, lse)"] = lambda: (torch.empty_like(q), torch.empty(q.shape[:3], device="cuda"))
         impls["torch.empty(shape, dtype, device)"] = lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device)
     try:
@@ -68,7 +71,7 @@ def main() -> None:
         kernel_us = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
         rows.append(dict(impl=name, wall_us_per_call=wall, do_bench_us=kernel_us))
         print(f"{name:36s} wall {wall:7.1f} us/call   do_bench {kernel_us:7.1f} us", flush=True)
-    print("chosen:", decision.forward.backend, decision.forward.variant)
+    print("chosen:", decision.forward.backend, decision.forward.describe())
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shape": [1, 8, 128, 64], "rows": rows}, f, indent=1)

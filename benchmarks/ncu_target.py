@@ -28,7 +28,7 @@ def main() -> None:
     for _ in range(2):
         attnforge.attention(q, k, v, causal=args.causal, backend="cute_sm90")
     torch.cuda.synchronize()
-    print(attnforge.last_decision().forward.variant)
+    print(attnforge.last_decision().forward.describe())
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import attnforge
 from attnforge.backends.cute_sm90 import tail_split
 from attnforge.backends.cute_sm90.backend import max_ctas
 from attnforge.bench.measure import peak_mem_bytes
-from attnforge.dispatch import registered
 
 
 def _call_into(outs: list, q, k, v, causal: bool) -> None:
@@ -43,7 +42,7 @@ def main() -> None:
             decision = attnforge.last_decision()
             pieces = 0
             if decision.forward.backend == "cute_sm90":
-                tile = registered()["cute_sm90"].tile(q.dtype, d)
+                tile = decision.forward.variant.tile
                 if tile.tail_split and not causal:
                     pieces = tail_split.plan(*tail_split.counts(tile, b, h, n, n), max_ctas(q.device)).slots
                     workspace += pieces * tile.tile_m * (d + 1) * 4

@@ -1,7 +1,7 @@
-"""Tile sweep for cute_sm90 on the local H100/H200: renders candidate tiles from the template into a
-temporary folder, checks each against fp32 math on the same inputs and times it with CUDA events
-(triton.testing.do_bench medians). TFLOP/s with FLOPs = 4*B*H*N^2*d (halved when causal), 16k
-tokens per batch, heads = 2048/d. The winners go into variants.py by hand, with this run's JSON
+"""Tile sweep for cute_sm90 on the local H100/H200: renders candidate tiles from the template into the
+attnforge cache, compiles them in this process, checks each against fp32 math on the same inputs and
+times it with CUDA events (triton.testing.do_bench medians). TFLOP/s with FLOPs = 4*B*H*N^2*d (halved
+when causal), 16k tokens per batch, heads = 2048/d. The winners go into variants.py by hand, with this run's JSON
 committed beside them.
 
     python benchmarks/sweep_cute_sm90.py [--json out.json] [--head-dim 64,128,256] [--seqlen 4096,16384]
@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import pathlib
-import tempfile
 
 import torch
 import triton.testing
@@ -24,7 +23,8 @@ from attnforge.backends.cute_sm90.backend import max_ctas, run_kernel
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.backends.cute_sm90.variants import WG2, WG3, Sm90FwdTile, check
 from attnforge.bench.measure import flops
-from attnforge.codegen.render import load_rendered
+from attnforge.codegen import Source
+from attnforge.runtime import cute
 
 CANDIDATES = {
     64: [Sm90FwdTile(128, 128, 2, **WG2), Sm90FwdTile(192, 128, 2, **WG3), Sm90FwdTile(128, 192, 2, **WG2),
@@ -40,14 +40,14 @@ FP8_CANDIDATES = {  # FA3 uses 128x224 at d=128 for FP8
           Sm90FwdTile(128, 192, 2, **WG2), Sm90FwdTile(128, 128, 3, **WG2),
           Sm90FwdTile(128, 128, 2, pingpong=False, **WG2), Sm90FwdTile(192, 64, 2, **WG3),
           Sm90FwdTile(128, 224, 2, **WG2), Sm90FwdTile(128, 96, 2, **WG2)]
-    # session 5: without pingpong, as FlashAttention-3 runs FP8
+    # without pingpong, as FlashAttention-3 runs FP8
     + [Sm90FwdTile(128, n, 2, pingpong=False, **WG2) for n in (224, 192)]
     + [Sm90FwdTile(192, 96, s, pingpong=p, **WG3) for s, p in ((2, False), (3, True))],
     256: [Sm90FwdTile(128, 64, 2, **WG2), Sm90FwdTile(128, 96, 2, **WG2), Sm90FwdTile(128, 128, 2, **WG2)],
 }
 
 
-def measure(tile, head_dim, args, folder, causals, ctas) -> list[dict]:
+def measure(tile, head_dim, args, causals, ctas) -> list[dict]:
     """Render, compile, check and time one tile at every --seqlen; the result rows."""
     fp8 = args.kind == "fp8"
     dtype = "fp8" if fp8 else "bf16"
@@ -55,9 +55,8 @@ def measure(tile, head_dim, args, folder, causals, ctas) -> list[dict]:
     if invalid:
         print(f"d={head_dim} {tile.describe()}: invalid: {invalid}")
         return []
-    mod = load_rendered("cute_sm90_fwd.py.jinja", folder / f"{tile.module(head_dim, args.kind)}.py",
-                        **tile.params(head_dim, args.kind))
-    kernels = {c: cc.compile_module(mod, dtype, c) for c in causals}
+    source = Source.of(cc.TEMPLATE, tile.params(head_dim, args.kind), tile.module(head_dim, args.kind))
+    kernels = {c: cute.compile_kernel(cc.cute_build(source, dtype, c)) for c in causals}
     rows = []
     for n in map(int, args.seqlen.split(",")):
         b, h = max(16384 // n, 1), 2048 // head_dim
@@ -114,7 +113,6 @@ def main() -> None:
                    "e.g. 'base,persistent+row_sum_mma,row_sum_mma+rescale_threshold=0.8' (comma-separated; '+' joins)")
     args = p.parse_args()
     results = []
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="cute_sm90_sweep_"))
     causals = {"both": (False, True), "full": (False,), "causal": (True,)}[args.causal]
     ctas = max_ctas(torch.device("cuda"))
     for head_dim in map(int, args.head_dim.split(",")):
@@ -123,7 +121,7 @@ def main() -> None:
                                       for m in args.match.split(",")):
                 continue
             for variant in variants_of(tile, args.variants):
-                results += measure(variant, head_dim, args, folder, causals, ctas)
+                results += measure(variant, head_dim, args, causals, ctas)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                                        "torch": torch.__version__, "results": results}, indent=1))

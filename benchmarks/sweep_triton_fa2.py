@@ -1,5 +1,5 @@
-"""Tile sweep for triton_fa2 on the local GPU: renders candidate tiles from the templates into a
-temporary folder, checks each against SDPA on the same inputs and times it with CUDA events
+"""Tile sweep for triton_fa2 on the local GPU: renders candidate tiles from the templates into the
+attnforge cache, checks each against SDPA on the same inputs and times it with CUDA events
 (triton.testing.do_bench medians). Forward and backward separately; TFLOP/s with FLOPs =
 4*B*H*N^2*d (halved when causal), backward = 2.5x forward. The winners go into variants.py by hand,
 with this run's JSON committed beside them.
@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import tempfile
 
 import torch
 import torch.nn.functional as F
 import triton.testing
 
 from attnforge.backends.triton_fa2.variants import BwdTile, FwdTile
-from attnforge.codegen.render import load_rendered
+from attnforge.codegen import Source
+from attnforge.runtime import generated
 
 FWD_CANDIDATES = [FwdTile(*a) for a in [
     (128, 64, 8, 2, "descriptor"), (128, 64, 8, 3, "descriptor"), (128, 128, 8, 2, "descriptor"),
@@ -30,8 +30,9 @@ BWD_CANDIDATES = [BwdTile(*a) for a in [
     (32, 128, 128, 32, 8, 2), (64, 128, 128, 64, 8, 3), (32, 64, 64, 32, 4, 3), (64, 64, 64, 64, 4, 3)]]
 
 
-def load(tile, template, folder):
-    return load_rendered(template, pathlib.Path(folder) / f"{tile.module}.py", **tile.params())
+def load(tile, template):
+    """The tile's module, rendered into the attnforge cache and imported."""
+    return generated.load(Source.of(template, tile.params(), tile.module))
 
 
 def rel(x, ref):
@@ -39,15 +40,14 @@ def rel(x, ref):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     ap.add_argument("--head-dim", default="64,128")
     ap.add_argument("--seqlen", default="4096,16384")
     args = ap.parse_args()
     rows = []
-    folder = tempfile.mkdtemp()
-    fwd_mods = [(t, load(t, "triton_fa2_fwd.py.jinja", folder)) for t in FWD_CANDIDATES]
-    bwd_mods = [(t, load(t, "triton_fa2_bwd.py.jinja", folder)) for t in BWD_CANDIDATES]
+    fwd_mods = [(t, load(t, "triton_fa2_fwd.py.jinja")) for t in FWD_CANDIDATES]
+    bwd_mods = [(t, load(t, "triton_fa2_bwd.py.jinja")) for t in BWD_CANDIDATES]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for d in map(int, args.head_dim.split(",")):
         for n in map(int, args.seqlen.split(",")):

@@ -35,7 +35,9 @@ from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90.backend import max_ctas
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.backends.cute_sm90.variants import WG2, WG3, Sm90FwdTile, check
-from attnforge.codegen.render import import_path, render
+from attnforge.codegen import Source
+from attnforge.runtime import cute
+from attnforge.runtime.generated import import_path
 
 EVENTS = 16  # trace slots per block (9 used by a consumer, 4 by the producer)
 SLOTS = 4096  # trace slots per consumer warpgroup (>= EVENTS x blocks at N=16k); the producer's follow the third
@@ -82,7 +84,13 @@ def patch(source: str, trace_m: int, trace_h: int) -> str:
         "        if trace_base >= 0:\n"
         f"            mLSE[trace_base + n_block * {EVENTS} + event, 0, 0] = Float32(cute.arch.clock() - t0)\n\n"
         "    @cute.jit\n    def to_p_operand(")
-    # the producer (one thread): its own base after the consumer warpgroups'
+    # the producer (one thread): its own base after the consumer warpgroups'; mLSE passed down through load_tile
+    sub("                  q_state, kv_state, seqlen_q, seqlen_k, split):\n",
+        "                  q_state, kv_state, seqlen_q, seqlen_k, split, mLSE):\n")
+    sub("seqlen_q, seqlen_k,\n                                                           split)\n",
+        "seqlen_q, seqlen_k,\n                                                           split, mLSE)\n")
+    sub("pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k, split)\n",
+        "pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k, split, mLSE)\n")
     sub("batch, n_block_min, n_block_max)\n", "batch, n_block_min, n_block_max, mLSE)\n")
     sub("             m_block, head, head_kv, batch, n_block_min, n_block_max):\n",
         "             m_block, head, head_kv, batch, n_block_min, n_block_max, mLSE):\n")
@@ -112,13 +120,15 @@ def main() -> None:
     tile_m, tile_n = map(int, args.tile.split("x"))
     tile = Sm90FwdTile(tile_m, tile_n, args.stages, **(WG2 if args.warpgroups == 2 else WG3))
     assert not check(tile, args.head_dim, args.kind), check(tile, args.head_dim, args.kind)
+    source = Source.of(cc.TEMPLATE, tile.params(args.head_dim, args.kind), tile.module(args.head_dim, args.kind))
     folder = pathlib.Path(tempfile.mkdtemp(prefix="cute_sm90_timeline_"))
-    path = folder / f"{tile.module(args.head_dim, args.kind)}_trace.py"
-    path.write_text(patch(render("cute_sm90_fwd.py.jinja", **tile.params(args.head_dim, args.kind)),
-                          args.trace_m, args.trace_head))
-    mod = import_path(path)
+    path = folder / f"{source.name}_trace.py"
+    path.write_text(patch(source.text(), args.trace_m, args.trace_head))
+    cute.target(cc.ARCH)  # before the patched module imports cutlass
+    mod = import_path(path, f"{source.name}_trace")
     fp8 = args.kind == "fp8"
-    kernel = cc.compile_module(mod, "fp8" if fp8 else "bf16", False)
+    # the build gives dtype, causality, arch and the compile factory; the patched module is compiled in its place
+    kernel = cute.compile_kernel(cc.cute_build(source, "fp8" if fp8 else "bf16", False), module=mod)
 
     n, d = args.seqlen, args.head_dim
     b, h = max(16384 // n, 1), 2048 // d

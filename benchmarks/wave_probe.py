@@ -18,10 +18,9 @@ import pathlib
 import torch
 import triton.testing
 
-from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90 import variants
 from attnforge.backends.cute_sm90 import tail_split
-from attnforge.backends.cute_sm90.backend import max_ctas, run_kernel
+from attnforge.backends.cute_sm90.backend import Sm90Variant, max_ctas, run_kernel
 from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
 from attnforge.bench.measure import flops
 
@@ -41,8 +40,10 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     d, fp8 = args.head_dim, args.kind == "fp8"
-    tile, _ = variants.pick(args.kind, d)
-    kernel = cc.compiled(tile.module(d, args.kind), "fp8" if fp8 else "bf16", False)
+    tile, why = variants.pick(args.kind, d)
+    if tile is None:
+        raise SystemExit(f"cute_sm90 {args.kind} d={d}: {'; '.join(why)}")
+    kernel = Sm90Variant(tile, args.kind, d, "fp8" if fp8 else "bf16", False).kernel
     sms = max_ctas(torch.device("cuda"))
     rows = []
     for shape in args.shapes.split(","):
