@@ -25,7 +25,7 @@ def test_explain_json(capsys, device, arch, forward, backward):
     assert main(["explain", "--device", device, "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "8192",
                  "--causal", "--needs-grad", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["problem"]["device"]["arch"] == arch and d["problem"]["causal"] is True
+    assert d["problem"]["device"]["arch"] == arch and d["problem"]["mask"] == {"causal": True, "top_left": False, "window": [-1, -1], "tensor": False}
     assert d["forward"]["backend"] == forward and d["backward"]["backend"] == backward and d["ok"]
 
 
@@ -50,7 +50,8 @@ def test_demo_and_module_entry_point():
 
 def test_explain_mi300x_chooses_triton_rocm_with_amd_parameters(capsys):
     assert main(["explain", "--device", "MI300X", "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "8192",
-                 "--causal"]) == 0
+                 "--causal", "--needs-grad"]) == 0
     out = capsys.readouterr().out
-    assert "forward : triton_rocm  [fwd 64x64 w4 s1 pointer waves_per_eu=2 mfma=16; bwd dkdv 128x32" in out
+    assert "forward : triton_rocm  [fwd 64x64 w4 s1 pointer waves_per_eu=2 mfma=16]" in out
+    assert "backward: triton_rocm  [bwd dkdv 128x32" in out
     assert "fallback" not in out

@@ -1,11 +1,15 @@
 """attnforge.sdpa: torch's SDPA signature and meaning, dispatched by attnforge."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import attnforge
 from attnforge import InvalidInputError
+from attnforge.dispatch import PROFILES, decide, registered
+from attnforge.dispatch.mask import Mask
 
 
 def rand(gen, *shape, dtype=torch.float32):
@@ -41,11 +45,21 @@ def test_matches_torch_sdpa_forward_and_backward(case, dtype, gen):
         torch.testing.assert_close(g, r, **tol)
     decision = attnforge.last_decision()
     if kind is not None:
-        assert decision.forward.backend == "sdpa" and decision.problem.mask == "tensor"
+        assert decision.forward.backend == "sdpa" and decision.problem.mask == Mask(tensor=True)
         assert decision.forward.reasons_of("reference") == ("an attn_mask tensor is not supported",)
     elif causal and nq != nk:  # SDPA's top-left alignment: not what attention() computes
-        assert decision.problem.mask == "causal_top_left" and decision.forward.backend == "sdpa"
-        assert "top-left" in decision.forward.reasons_of("reference")[0]
+        assert decision.problem.mask == Mask(causal=True, top_left=True) and decision.forward.backend == "sdpa"
+        # the reference backend runs the mask model's top-left rule too (so it is eligible) and agrees
+        assert decision.forward.reasons_of("reference") == ()
+        with attnforge.use_backend("reference"):
+            by_reference = attnforge.sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
+        assert attnforge.last_decision().forward.backend == "reference"
+        torch.testing.assert_close(by_reference, ref.detach(), **tol)
+        # the fast kernels align bottom-right only: they refuse it, saying so
+        on_h100 = decide(dataclasses.replace(decision.problem, device=PROFILES["H100"]))
+        for name in ("cute_sm90", "triton_fa2"):
+            if name in registered():
+                assert any("top-left causal alignment" in r for r in on_h100.forward.reasons_of(name))
         bottom_right = attnforge.attention(q, k, v, causal=True)
         assert not torch.allclose(out.detach(), bottom_right, atol=1e-3)
 

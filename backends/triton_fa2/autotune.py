@@ -17,14 +17,10 @@ import torch
 
 from ...codegen import Source
 from ...runtime import generated
-from ...runtime.cache import default_cache_dir
 from . import variants
+from .variants import winners_path
 
 TEMPLATES = {"fwd": "triton_fa2_fwd.py.jinja", "bwd": "triton_fa2_bwd.py.jinja"}
-
-
-def winners_path(arch: str, cache_dir=None) -> pathlib.Path:
-    return pathlib.Path(cache_dir or default_cache_dir()) / f"triton_fa2-tuned-{arch}.json"
 
 
 def candidates(family: str, arch: str, head_dim: int) -> list:

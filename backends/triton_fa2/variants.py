@@ -14,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import pathlib
+
+from ...runtime.cache import default_cache_dir
 
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 # The Triton release the spill-free claims below were checked with (compile sweeps); register
@@ -179,11 +182,14 @@ BWD: dict[str, dict[int, list[BwdTile]]] = {
 }
 
 
+def winners_path(arch: str, cache_dir=None) -> pathlib.Path:
+    """Where `attnforge tune` keeps its winners for ``arch``."""
+    return pathlib.Path(cache_dir or default_cache_dir()) / f"triton_fa2-tuned-{arch}.json"
+
+
 @functools.lru_cache(maxsize=None)
 def _tuned(arch: str) -> dict:
     """Winners `attnforge tune` persisted for this arch ({} when it never ran here)."""
-    from .autotune import winners_path
-
     try:
         return json.loads(winners_path(arch).read_text())
     except (OSError, ValueError):

@@ -20,3 +20,21 @@ def test_render_is_deterministic_and_names_its_inputs():
 def test_missing_parameters_are_errors():
     with pytest.raises(UndefinedError):
         environment().from_string("{{ block_n }}").render()
+
+
+def test_a_source_is_frozen_hashable_data_that_renders_its_template():
+    import dataclasses
+
+    from attnforge.codegen import Source
+
+    a = Source.of("header.jinja", {"dtype": "bf16", "tile": {"n": 64, "m": 128}, "cluster": (1, 1)}, "probe")
+    b = Source.of("header.jinja", {"cluster": (1, 1), "tile": {"m": 128, "n": 64}, "dtype": "bf16"}, "probe")
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1  # parameter order does not matter
+    assert a.params == {"cluster": (1, 1), "dtype": "bf16", "tile": {"m": 128, "n": 64}}
+    assert isinstance(a.params["tile"], dict)
+    assert a != Source.of("header.jinja", {"dtype": "bf16", "tile": {"n": 64, "m": 64}, "cluster": (1, 1)}, "probe")
+    assert a != dataclasses.replace(a, name="other")
+    assert a.text() == render("header.jinja", **a.params)
+    assert "#   tile = {'m': 128, 'n': 64}" in a.text().splitlines()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.name = "x"

@@ -8,6 +8,8 @@ import torch
 
 import attnforge
 from attnforge.dispatch import registered, selfcheck
+from attnforge.dispatch.mask import CAUSAL
+from attnforge.dispatch.variant import TorchVariant
 from attnforge.testing import oracle, rel_error
 
 
@@ -24,8 +26,8 @@ def broken_sdpa(monkeypatch):
     sdpa = registered()["sdpa"]
     real = type(sdpa).forward
 
-    def wrong(self, q, k, v, **kw):
-        out, lse = real(self, q, k, v, **kw)
+    def wrong(self, variant, call):
+        out, lse = real(self, variant, call)
         return out * 1.1, lse
 
     monkeypatch.setattr(type(sdpa), "forward", wrong)
@@ -84,13 +86,12 @@ class _FakeFp8Backend:
 
     name, bias = "fake_fp8", 0.0
 
-    def variant(self, problem):
-        return "fake"
-
-    def forward(self, q, k, v, *, causal, scale, dropout_p, descale=None):
+    def forward(self, variant, call):
         from attnforge.testing import fp8_peer
 
-        out = fp8_peer(q.float(), k.float(), v.float(), causal=causal, scale=scale)
+        assert variant == TorchVariant("fake")  # the variant checked is the one run
+        q, k, v = call.q, call.k, call.v
+        out = fp8_peer(q.float(), k.float(), v.float(), mask=call.mask, scale=call.scale)
         return (out + self.bias).to(torch.bfloat16), None
 
 
@@ -101,6 +102,9 @@ def test_fp8_variants_are_judged_against_fp8_rounding_of_p(fresh, bias, passes):
 
     backend = _FakeFp8Backend()
     backend.bias = bias
-    problem = Problem(1, 2, 1, 133, 161, 64, 64, "fp8", detect(torch.device("cpu")), causal=True)
-    reasons = selfcheck.reasons(backend, problem)
+    problem = Problem(1, 2, 1, 133, 161, 64, 64, "fp8", detect(torch.device("cpu")), mask=CAUSAL)
+    reasons = selfcheck.reasons(backend, TorchVariant("fake"), problem)
     assert (reasons == ()) == passes, reasons
+    assert selfcheck.costs and selfcheck.costs[-1][0] == selfcheck.key_of(backend, TorchVariant("fake"), problem)
+    if not passes:
+        assert reasons[0].startswith("self-check failed: relative error"), reasons

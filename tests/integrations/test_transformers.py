@@ -9,6 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
 
 import attnforge  # noqa: E402
+from attnforge.dispatch.mask import Mask  # noqa: E402
 from attnforge.integrations import transformers as integration  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def test_padded_batch_goes_through_the_mask_path(models, gen):
         got = ours(ids, attention_mask=mask).logits
     torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[0, 5:], expected[0, 5:], atol=1e-5, rtol=1e-5)
-    assert attnforge.last_decision().problem.mask == "tensor"
+    assert attnforge.last_decision().problem.mask == Mask(tensor=True)
 
 
 def test_generate_gives_the_same_tokens(models, gen):
