@@ -10,7 +10,7 @@ every key is visible. ``tensor`` marks an explicit attn_mask (``attnforge.sdpa``
 visible is data the call carries, not a rule.
 
 The rule is written once per kernel language: here for torch (``Mask.hidden``, used by reference,
-sdpa and the tests), in ``backends/shared/triton_mask.py`` for Triton and in
+sdpa and the tests), in ``templates/triton_mask.jinja`` for Triton (macros the Triton templates render) and in
 ``backends/shared/cute_mask.py`` for the CuTe DSL.
 """
 
