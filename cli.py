@@ -192,6 +192,12 @@ def _build_items(args) -> list:
     items = {}
     for name in names:
         b = backends[name]
+        missing = b.available()
+        if missing and b.variants(args.target, args.dtype, args.head_dim, causal):
+            if args.backend == name:
+                raise ValueError(f"{name} cannot build here: " + "; ".join(missing))
+            print(f"attnforge build: skipping {name}: " + "; ".join(missing), file=sys.stderr)
+            continue
         for variant in b.variants(args.target, args.dtype, args.head_dim, causal, strict=args.backend == name):
             for item in b.builds(variant):
                 items[item] = None

@@ -1,9 +1,9 @@
-"""backends/inputs.py: input preparations the backends share."""
+"""backends/shared/inputs.py: input preparations the backends share."""
 
 import pytest
 import torch
 
-from attnforge.backends.inputs import nonnegative_scale
+from attnforge.backends.shared.inputs import nonnegative_scale
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float8_e4m3fn))

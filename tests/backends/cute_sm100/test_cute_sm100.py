@@ -11,7 +11,8 @@ import pytest
 from attnforge import explain
 from attnforge.backends.cute_sm100 import variants
 from attnforge.backends.cute_sm100.variants import Sm100FwdTile, check
-from attnforge.codegen.build import cuobjdump, resources
+from attnforge.dispatch import registered
+from attnforge.runtime.triton_aot import cuobjdump, resources
 
 
 def test_every_head_dim_has_a_valid_pick():
@@ -41,21 +42,31 @@ def test_b200_chooses_it_and_triton_fa2_runs_the_backward():
                                                              seqlen_q=64).forward.candidates]
 
 
-PICKS = [(head_dim, tile, dtype, causal) for head_dim, tile in variants.picks() for dtype in ("fp16", "bf16")
-         for causal in (False, True)]
+VARIANTS = registered()["cute_sm100"].variants()  # every variant the planner can pick: what `attnforge build` compiles
 
 
-@pytest.mark.parametrize(("head_dim", "tile", "dtype", "causal"), PICKS,
-                         ids=[f"{t.module(d)}-{dt}-{'causal' if c else 'full'}" for d, t, dt, c in PICKS])
-def test_variant_compiles_for_sm100a_with_tcgen05_tma_and_tmem(tmp_path, head_dim, tile, dtype, causal):
+def test_the_variants_are_the_table_picks_in_both_16_bit_dtypes_and_causalities():
+    from attnforge.backends.cute_sm100 import compile as cc
+    from attnforge.backends.cute_sm100.backend import Sm100Variant
+
+    assert sorted(v.name for v in VARIANTS) == sorted(
+        Sm100Variant(tile, head_dim, dtype, causal).name for head_dim, tile in variants.picks()
+        for dtype in ("fp16", "bf16") for causal in (False, True))
+    assert all(v.build.arch == cc.ARCH == "sm_100a" and v.build.cache_name == "cute_sm100" for v in VARIANTS)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
+def test_variant_compiles_for_sm100a_with_tcgen05_tma_and_tmem(tmp_path, variant):
     if any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")):
         pytest.skip("nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
-    from attnforge.backends.cute_sm100 import compile as cc
+    from attnforge.runtime import cute
 
-    cc.compile_in_child(tile.module(head_dim), dtype, causal, str(tmp_path))
+    # Always in a child process set up for sm_100a (as `attnforge build` does from a process set up for
+    # another arch): importing cutlass here for sm_100a would fix this whole session's CuTe DSL to it.
+    cute._in_child(variant.build, "dump", str(tmp_path))
     (cubin,) = tmp_path.glob("*.sm_100a.cubin")
     sass = cuobjdump("-sass", str(cubin))
     seen = collections.Counter(re.findall(r"\b(UTCHMMA|UTMALDG|LDTM|STTM|UTCBAR)\b", sass))
     assert all(seen[i] for i in ("UTCHMMA", "UTMALDG", "LDTM", "STTM", "UTCBAR")), seen
     usage = resources(cubin.read_bytes())
-    assert usage["stack_bytes"] <= tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage
+    assert usage["stack_bytes"] <= variant.tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage

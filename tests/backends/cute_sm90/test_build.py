@@ -17,12 +17,19 @@ D64_BF16 = variants.pick("16bit", 64)[0].module(64, "16bit")  # the table's pick
 needs_cute = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
 
-LOAD = """
-from attnforge.backends.cute_sm90 import compile as cc
+# The variant a bf16 d=64 causal call runs, as the backend plans it; compiling is refused, so the kernel
+# can only come from the cache `attnforge build` filled.
+REFUSE = """
+from attnforge.runtime import cute
 def refuse(*a, **k):
     raise AssertionError("compiled although the kernel was built ahead of time")
-cc.TARGET.compile_module = refuse
-fn = cc.compiled(%r, "bf16", True)
+cute.compile_kernel = cute._in_child = refuse
+"""
+LOAD = REFUSE + """
+from attnforge.dispatch import registered
+(variant,) = registered()["cute_sm90"].variants(dtypes=("bf16",), head_dims=(64,), causal=(True,), strict=True)
+assert variant.module == %r, variant.module
+fn = variant.kernel
 print("loaded", type(fn).__name__)
 """ % D64_BF16
 
@@ -66,13 +73,9 @@ def test_prebuilt_kernel_is_loaded_not_compiled(tmp_path):
     assert "loaded Function" in loaded.stdout
 
 
-RUN_PREBUILT = """
+RUN_PREBUILT = REFUSE + """
 import torch, attnforge
-from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.testing import oracle, rel_error
-def refuse(*a, **k):
-    raise AssertionError("compiled although the kernel was built ahead of time")
-cc.TARGET.compile_module = refuse
 q, k, v = (torch.randn(2, 4, 333, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 out = attnforge.attention(q, k, v, causal=True, backend="cute_sm90")
 print("error", rel_error(out, oracle(q, k, v, causal=True)[0]))

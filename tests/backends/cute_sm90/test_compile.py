@@ -3,6 +3,7 @@ uses what Hopper offers: HGMMA (WGMMA), UTMALDG (TMA loads), UTMASTG (TMA stores
 USETMAXREG (register reallocation between producer and consumer warpgroups), with no register spills."""
 
 import collections
+import dataclasses
 import importlib.util
 import re
 
@@ -10,21 +11,30 @@ import pytest
 
 from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90 import variants
-from attnforge.codegen.build import cuobjdump, resources
+from attnforge.backends.cute_sm90.backend import Sm90Variant
+from attnforge.dispatch import registered
+from attnforge.runtime import cute
+from attnforge.runtime.triton_aot import cuobjdump, resources
 
 # find_spec, not importorskip: importing cutlass here would fix its target arch for the whole session
 pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
 
 
-PICKS = [(kind, head_dim, tile, dtype, causal) for kind, head_dim, tile in variants.picks()
-         for dtype in cc.DTYPES if cc.KIND[dtype] == kind for causal in (False, True)]
+VARIANTS = registered()["cute_sm90"].variants()  # every variant the planner can pick: what `attnforge build` compiles
 
 
-@pytest.mark.parametrize(("kind", "head_dim", "tile", "dtype", "causal"), PICKS,
-                         ids=[f"{t.module(d, k)}-{dt}-{'causal' if c else 'full'}" for k, d, t, dt, c in PICKS])
-def test_variant_compiles_for_sm90a_with_wgmma_and_tma(tmp_path, kind, head_dim, tile, dtype, causal):
-    cc.compile_to(tile.module(head_dim, kind), dtype, causal, str(tmp_path))
+def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
+    assert sorted(v.name for v in VARIANTS) == sorted(
+        Sm90Variant(tile, kind, head_dim, dtype, causal).name for kind, head_dim, tile in variants.picks()
+        for dtype in cc.DTYPES if cc.KIND[dtype] == kind for causal in (False, True))
+    assert all(v.build.arch == cc.ARCH == "sm_90a" and v.build.module == v.module for v in VARIANTS)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
+def test_variant_compiles_for_sm90a_with_wgmma_and_tma(tmp_path, variant):
+    kind, head_dim, tile, dtype, causal = variant.kind, variant.head_dim, variant.tile, variant.dtype, variant.causal
+    cute.compile_to(variant.build, str(tmp_path))
     (cubin,) = tmp_path.glob("*.sm_90a.cubin")
     sass = cuobjdump("-sass", str(cubin))
     seen = collections.Counter(m.split(".")[0] for m in re.findall(r"\b(?:[HQ]GMMA|UTMALDG|USETMAXREG)\.[\w.]+", sass))
@@ -55,9 +65,12 @@ def test_variant_compiles_for_sm90a_with_wgmma_and_tma(tmp_path, kind, head_dim,
 
 def test_disk_cache_builds_once_and_keys_on_the_variant(tmp_path):
     kind, head_dim, tile = variants.picks()[0]
-    module = tile.module(head_dim, kind)
-    path, built = cc.build_cached(module, "bf16", False, tmp_path)
+    build = Sm90Variant(tile, kind, head_dim, "bf16", False).build
+    path, built = cute.build_cached(build, tmp_path)
     assert built and path.is_file() and path.stat().st_size > 0 and path.parent == tmp_path / "cute_sm90"
-    assert cc.build_cached(module, "bf16", False, tmp_path) == (path, False)
-    assert cc.cache_path(module, "bf16", True, tmp_path) != path
-    assert cc.cache_path(module, "fp16", False, tmp_path) != path
+    assert path == cute.cache_path(build, tmp_path)
+    assert cute.build_cached(build, tmp_path) == (path, False)
+    assert cute.cache_path(dataclasses.replace(build, causal=True), tmp_path) != path
+    assert cute.cache_path(dataclasses.replace(build, dtype="fp16"), tmp_path) != path
+    other_kind, other_dim, other_tile = variants.picks()[1]  # another tile: another rendered module
+    assert cute.cache_path(Sm90Variant(other_tile, other_kind, other_dim, "bf16", False).build, tmp_path) != path

@@ -5,6 +5,7 @@ import torch
 
 from attnforge import BackendUnavailableError, attention, explain, use_backend
 from attnforge.backends.cute_sm90 import variants
+from attnforge.backends.cute_sm90.backend import Sm90Variant
 
 
 @pytest.mark.parametrize("device", ("H100", "H200"))
@@ -14,8 +15,10 @@ def test_hopper_chooses_cute_sm90_and_triton_fa2_runs_the_backward(device, dtype
     d = explain(device=device, dtype=dtype, head_dim=head_dim, seqlen_q=4096, heads=16, kv_heads=4,
                 causal=True, needs_grad=True)
     assert d.forward.backend == "cute_sm90" and not d.fallback
-    assert d.forward.variant == f"fwd {variants.pick('16bit', head_dim)[0].describe()}"  # the table's pick
-    assert d.backward.backend == "triton_fa2"
+    tile = variants.pick("16bit", head_dim)[0]  # the table's pick, compiled for this dtype and causality
+    assert d.forward.variant == Sm90Variant(tile, "16bit", head_dim, dtype, True)
+    assert d.forward.describe() == f"fwd {tile.describe()}"
+    assert d.backward.backend == "triton_fa2" and d.backward.variant.family == "bwd"
     assert d.backward.reasons_of("cute_sm90") == ("has no backward",)
 
 
@@ -71,4 +74,5 @@ def test_every_measured_shape_goes_to_cute_sm90_today():
 def test_fp8_backward_runs_in_bf16_on_the_dequantised_inputs_and_the_decision_says_so():
     d = explain(device="H200", dtype="fp8", head_dim=128, seqlen_q=4096, needs_grad=True)
     assert d.forward.backend == "cute_sm90" and d.backward.backend == "triton_fa2"
-    assert d.backward.variant.endswith("(in bf16 on the dequantised fp8 inputs: there is no FP8 backward)")
+    assert d.forward.variant.dtype == "fp8" and d.backward.variant.dtype == "bf16"
+    assert d.backward.describe().endswith("(in bf16 on the dequantised fp8 inputs: there is no FP8 backward)")

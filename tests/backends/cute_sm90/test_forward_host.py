@@ -2,12 +2,15 @@
 
 import torch
 
-from attnforge.backends.cute_sm90.backend import _lse_prototype
+from attnforge.backends.shared.cute_host import lse_like
 
 
 def test_lse_allocated_from_the_prototype_is_dense_fp32():
     """The kernel writes the LSE row by row with unit stride: an expanded (stride-0) or strided tensor
-    would lose rows."""
+    would lose rows. Twice: the second allocation comes from the cached prototype, and must be a fresh
+    tensor, not the first one again."""
     shape = torch.Size((2, 3, 17))
-    lse = torch.empty_like(_lse_prototype(shape, torch.device("cpu")))
+    first = lse_like(shape, torch.device("cpu"))
+    lse = lse_like(shape, torch.device("cpu"))
     assert lse.shape == shape and lse.dtype == torch.float32 and lse.stride() == (51, 17, 1)
+    assert lse.data_ptr() != first.data_ptr()

@@ -13,6 +13,15 @@ from attnforge.testing import assert_close, needs_gpu, oracle, peer_error
 
 pytestmark = [pytest.mark.gpu, needs_gpu((9, 0), "sm90")]
 
+
+def planned(dtype: str, head_dim: int, causal: bool):
+    """The Sm90Variant the backend runs for (dtype, head_dim, causal): the table's pick, as the planner makes it."""
+    from attnforge.dispatch import registered
+
+    (variant,) = registered()["cute_sm90"].variants(dtypes=(dtype,), head_dims=(head_dim,), causal=(causal,), strict=True)
+    return variant
+
+
 # (batch, heads_q, heads_kv, seqlen_q, seqlen_k)
 SHAPES = [(1, 2, 2, 1, 1), (2, 3, 3, 17, 17), (1, 4, 2, 113, 1023), (1, 4, 1, 1023, 113), (2, 2, 2, 300, 700),
           (1, 8, 8, 1024, 1024)]
@@ -23,9 +32,7 @@ SHAPES = [(1, 2, 2, 1, 1), (2, 3, 3, 17, 17), (1, 4, 2, 113, 1023), (1, 4, 1, 10
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_poisoned_outputs_match_fp64(shape, dtype, causal, head_dim, gen):
-    from attnforge.backends.cute_sm90 import compile as cc
     from attnforge.backends.cute_sm90.backend import run_kernel
-    from attnforge.dispatch import registered
 
     b, hq, hkv, nq, nk = shape
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
@@ -33,10 +40,8 @@ def test_poisoned_outputs_match_fp64(shape, dtype, causal, head_dim, gen):
                for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    backend = registered()["cute_sm90"]
-    kernel = cc.compiled(backend.module(torch_dtype, head_dim), dtype, causal)
-    run_kernel(kernel, backend.tile(torch_dtype, head_dim), q, k, v, out, lse, head_dim ** -0.5 * math.log2(math.e),
-               causal=causal)
+    variant = planned(dtype, head_dim, causal)
+    run_kernel(variant.kernel, variant.tile, q, k, v, out, lse, head_dim ** -0.5 * math.log2(math.e), causal=causal)
     ref, ref_lse, _ = oracle(q, k, v, causal=causal)
     peer, _ = peer_error(q, k, v, causal=causal)
     ulps = 4 * math.sqrt(max(nk, head_dim))
@@ -124,19 +129,16 @@ def test_negative_scale_matches_fp64(dtype, causal, gen):
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 def test_fp8_kernel_writes_every_element(causal, gen):
     """The FP8 kernel called directly with NaN-poisoned outputs: odd lengths, GQA."""
-    from attnforge.backends.cute_sm90 import compile as cc
     from attnforge.backends.cute_sm90.backend import run_kernel
     from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
-    from attnforge.dispatch import registered
 
     b, hq, hkv, nq, nk, d = 2, 6, 2, 333, 517, 128
     q, k, v = (torch.randn(b, h, n, d, generator=gen).to("cuda").to(torch.float8_e4m3fn)
                for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
     out = torch.full((b, hq, nq, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((b, hq, nq), float("nan"), device="cuda")
-    backend = registered()["cute_sm90"]
-    kernel = cc.compiled(backend.module(torch.float8_e4m3fn, d), "fp8", causal)
-    run_kernel(kernel, backend.tile(torch.float8_e4m3fn, d), q, k, prepare_v_fp8(v), out, lse,
+    variant = planned("fp8", d, causal)
+    run_kernel(variant.kernel, variant.tile, q, k, prepare_v_fp8(v), out, lse,
                d ** -0.5 * math.log2(math.e), causal=causal, descale=torch.ones(3, b, hkv, device="cuda"))
     assert not out.isnan().any() and not lse.isnan().any()
 
@@ -150,10 +152,8 @@ def test_persistent_ctas_cover_every_tile(head_dim, causal, dtype, max_ctas, gen
     across heads and batches, so a tile that is skipped, run twice or given another tile's head, batch
     or K/V stage shows against fp64 math on a NaN-poisoned output. Causal kernels take one CTA per tile
     and must ignore max_ctas."""
-    from attnforge.backends.cute_sm90 import compile as cc
     from attnforge.backends.cute_sm90.backend import run_kernel
     from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
-    from attnforge.dispatch import registered
     from attnforge.testing import fp8_peer, rel_error
 
     b, hq, hkv, nq, nk = 2, 5, 5, 401, 389
@@ -162,10 +162,9 @@ def test_persistent_ctas_cover_every_tile(head_dim, causal, dtype, max_ctas, gen
     out = torch.full((b, hq, nq, head_dim), float("nan"), device="cuda",
                      dtype=torch.bfloat16 if dtype == "fp8" else torch_dtype)
     lse = torch.full((b, hq, nq), float("nan"), device="cuda")
-    backend = registered()["cute_sm90"]
-    kernel = cc.compiled(backend.module(torch_dtype, head_dim), dtype, causal)
+    variant = planned(dtype, head_dim, causal)
+    kernel, tile = variant.kernel, variant.tile
     scale_log2 = head_dim ** -0.5 * math.log2(math.e)
-    tile = backend.tile(torch_dtype, head_dim)
     if dtype == "fp8":  # (a tail-split kernel plans for max_ctas SMs: few SMs, many pieces)
         run_kernel(kernel, tile, q, k, prepare_v_fp8(v), out, lse, scale_log2, causal=causal,
                    descale=torch.ones(3, b, hkv, device="cuda"), ctas=max_ctas)
@@ -193,9 +192,8 @@ def test_tail_split_pieces_match_fp64(kind, head_dim, plan, gen, monkeypatch):
     """Given plans (whole tiles, tail tiles, pieces per tail tile) on 18 tiles of 11 key blocks (2 x 3 heads,
     seqlen_q 3 tiles less a few rows, seqlen_k not a multiple of the key block): up to one key block per piece.
     NaN-poisoned outputs and workspaces, so a row no piece wrote, or a slot the combine read unwritten, shows."""
-    from attnforge.backends.cute_sm90 import compile as cc
     from attnforge.backends.cute_sm90 import tail_split
-    from attnforge.backends.cute_sm90.backend import run_kernel
+    from attnforge.backends.cute_sm90.backend import Sm90Variant, run_kernel
     from attnforge.backends.cute_sm90.v_layout import prepare_v_fp8
     from attnforge.testing import fp8_peer, rel_error
 
@@ -209,7 +207,7 @@ def test_tail_split_pieces_match_fp64(kind, head_dim, plan, gen, monkeypatch):
     lse = torch.full((b, h, nq), float("nan"), device="cuda")
     real_workspaces = tail_split.workspaces
     monkeypatch.setattr(tail_split, "workspaces", lambda *a: tuple(w.fill_(float("nan")) for w in real_workspaces(*a)))
-    kernel = cc.compiled(tile.module(head_dim, kind), "fp8" if kind == "fp8" else "bf16", False)
+    kernel = Sm90Variant(tile, kind, head_dim, "fp8" if kind == "fp8" else "bf16", False).kernel
     scale_log2 = head_dim ** -0.5 * math.log2(math.e)
     if kind == "fp8":
         run_kernel(kernel, tile, q, k, prepare_v_fp8(v), out, lse, scale_log2, causal=False, plan=p,

@@ -6,7 +6,8 @@ import pathlib
 import pytest
 
 from attnforge.backends.cute_sm90.variants import WG2, WG3, Sm90FwdTile
-from attnforge.codegen.render import import_path, render
+from attnforge.codegen.render import render
+from attnforge.runtime.generated import import_path
 
 SCRIPT = pathlib.Path(__file__).parents[3] / "benchmarks" / "timeline_cute_sm90.py"
 

@@ -28,25 +28,44 @@ def test_persisted_winner_is_picked_and_shown(winners):
     assert variants.pick(variants.FWD, "sm80", 128, tuned=False) == (table_pick, [])
     assert variants.pick(variants.FWD, "sm80", 64)[0] == variants.pick(variants.FWD, "sm80", 64, tuned=False)[0]
     d = explain(device="A100", dtype="bf16", head_dim=128, seqlen_q=1024)
-    assert d.forward.variant.startswith(f"{other.describe()} (tuned); ")
+    assert d.forward.variant.tile == other and d.forward.variant.tuned
+    assert d.forward.describe().startswith(f"{other.describe()} (tuned)")
+    assert not explain(device="A100", dtype="bf16", head_dim=64, seqlen_q=1024).forward.variant.tuned
 
 
-def test_winners_that_fail_the_check_or_were_not_rendered_are_ignored(winners):
+def test_winners_that_fail_the_check_are_ignored(winners):
     table_pick, _ = variants.pick(variants.FWD, "sm86", 128, tuned=False)
     too_big = variants.FwdTile(256, 256, 4, 4)  # fails check() (shared memory, registers)
-    unrendered = variants.FwdTile(64, 16, 4, 2)
-    assert variants.check(too_big, "sm86", 128) and not variants.check(unrendered, "sm86", 128)
-    for tile in (too_big, unrendered):
-        winners("sm86", {"fwd": {"128": tile.params()}})
-        assert variants.pick(variants.FWD, "sm86", 128) == (table_pick, [])
+    assert variants.check(too_big, "sm86", 128)
+    winners("sm86", {"fwd": {"128": too_big.params()}})
+    assert variants.pick(variants.FWD, "sm86", 128) == (table_pick, [])
     winners("sm86", {"fwd": {"128": {"block_m": 64, "bogus": 1}}})  # another version's format
     assert variants.pick(variants.FWD, "sm86", 128) == (table_pick, [])
 
 
-def test_candidates_are_rendered_tiles_that_pass_the_check():
-    for family in ("fwd", "bwd"):
-        for tile in autotune.candidates(family, "sm90", 128):
-            assert variants.check(tile, "sm90", 128) == [] and tile.module in variants._rendered()
+def test_a_winner_no_table_lists_is_rendered_into_the_cache_and_runs_from_there(winners, tmp_path):
+    """Generated modules are build outputs: a persisted winner that passes check() need not be a tile of
+    any table (nothing is committed to be missing); the planned variant renders it into the cache on use."""
+    unlisted = variants.FwdTile(64, 16, 4, 2)
+    assert not variants.check(unlisted, "sm86", 128)
+    assert unlisted not in autotune.candidates("fwd", "sm86", 128)
+    winners("sm86", {"fwd": {"128": unlisted.params()}})
+    assert variants.pick(variants.FWD, "sm86", 128) == (unlisted, [])
+    variant = explain(device="A10", dtype="bf16", head_dim=128, seqlen_q=1024).forward.variant
+    assert variant.tile == unlisted and variant.tuned
+    assert variant.module.VARIANT_NAME == unlisted.module and callable(variant.module.launch)
+    (rendered,) = (tmp_path / "generated").glob(f"{unlisted.module}-*.py")
+    assert rendered.read_text() == variant.source.text()
+
+
+def test_candidates_are_the_tables_tiles_that_pass_the_check_and_render():
+    fwd, bwd = variants.all_tiles()
+    for family, tiles in (("fwd", fwd), ("bwd", bwd)):
+        found = autotune.candidates(family, "sm90", 128)
+        assert found and found == [t for t in tiles if variants.check(t, "sm90", 128) == []]
+        for tile in found:
+            module = autotune._module(tile)  # rendered into the cache and imported from there
+            assert module.VARIANT_NAME == tile.module and callable(module.launch)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU `attnforge tune` really tunes (run_gpu.sh runs it)")

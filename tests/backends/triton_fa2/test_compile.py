@@ -1,12 +1,23 @@
 """Every kernel the variant table can pick compiles with no GPU (triton.compile for a GPUTarget),
 and the machine code shows what the target must use."""
 
+import dataclasses
+
 import pytest
+import torch
 import triton
 
 from attnforge.backends.triton_fa2 import variants
+from attnforge.backends.triton_fa2.backend import TritonVariant
 from attnforge.cli import main
-from attnforge.codegen import build
+from attnforge.dispatch import registered
+from attnforge.runtime import triton_aot, triton_launch
+
+
+def plan(archs, **kw):
+    """What `attnforge build` compiles for triton_fa2 on ``archs``: every build of every variant it can pick."""
+    backend = registered()["triton_fa2"]
+    return list(dict.fromkeys(b for v in backend.variants(archs, strict=True, **kw) for b in backend.builds(v)))
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +29,10 @@ def cache(tmp_path_factory):
 @pytest.mark.parametrize("head_dim", variants.HEAD_DIMS)
 def test_ampere_ada_kernels_use_tensor_cores_and_do_not_spill(arch, head_dim, cache):
     """Spills are asserted with the Triton release the tiles were swept with (variants.SPILL_CHECKED_WITH)."""
-    for b in build.plan([arch], dtypes=("bf16",), head_dims=(head_dim,), causal=(True,)):
-        meta, _ = build.build_cached(b, cache, keep_asm=True)
+    builds = plan([arch], dtypes=("bf16",), head_dims=(head_dim,), causal=(True,))
+    assert sorted(b.kernel for b in builds) == ["dkdv_kernel", "dq_kernel", "fwd_kernel", "preprocess_kernel"]
+    for b in builds:
+        meta, _ = triton_aot.build_cached(b, cache, keep_asm=True)
         if b.kernel != "preprocess_kernel":
             assert any(i.startswith("HMMA.16816") for i in meta["instructions"]), (b.name(), meta["instructions"])
         if triton.__version__.startswith(variants.SPILL_CHECKED_WITH + "."):  # what CI installs
@@ -31,8 +44,10 @@ def test_ampere_ada_kernels_use_tensor_cores_and_do_not_spill(arch, head_dim, ca
 def test_hopper_kernels_use_wgmma_and_tma(head_dim, cache):
     # sm90's backward tiles were chosen by speed on the H200 (Triton 3.6 there); with CI's Triton
     # their dK/dV kernel spills at d=128, so spills are not asserted for sm90.
-    for b in build.plan(["sm90"], dtypes=("bf16",), head_dims=(head_dim,), causal=(False,)):
-        meta, _ = build.build_cached(b, cache, keep_asm=True)
+    builds = plan(["sm90"], dtypes=("bf16",), head_dims=(head_dim,), causal=(False,))
+    assert sorted(b.kernel for b in builds) == ["dkdv_kernel", "dq_kernel", "fwd_kernel", "preprocess_kernel"]
+    for b in builds:
+        meta, _ = triton_aot.build_cached(b, cache, keep_asm=True)
         if b.kernel == "fwd_kernel":
             assert {"UTMALDG.4D"} <= set(meta["instructions"]), meta["instructions"]
         if b.kernel != "preprocess_kernel":
@@ -40,21 +55,26 @@ def test_hopper_kernels_use_wgmma_and_tma(head_dim, cache):
 
 
 def test_cache_hits_and_rebuilds_corrupt_entries(tmp_path):
-    (b,) = [x for x in build.plan(["sm80"], dtypes=("fp16",), head_dims=(64,), causal=(True,)) if x.kernel == "fwd_kernel"]
-    meta, built = build.build_cached(b, tmp_path)
+    (b,) = [x for x in plan(["sm80"], dtypes=("fp16",), head_dims=(64,), causal=(True,)) if x.kernel == "fwd_kernel"]
+    meta, built = triton_aot.build_cached(b, tmp_path)
     assert built and (tmp_path / meta["key"] / "kernel.cubin").is_file()
-    again, built = build.build_cached(b, tmp_path)
+    again, built = triton_aot.build_cached(b, tmp_path)
     assert not built and again == meta
     (tmp_path / meta["key"] / "kernel.cubin").write_bytes(b"torn write")
-    rebuilt, built = build.build_cached(b, tmp_path)
+    rebuilt, built = triton_aot.build_cached(b, tmp_path)
     assert built and rebuilt["binary_bytes"] == meta["binary_bytes"]
-    with_asm, built = build.build_cached(b, tmp_path, keep_asm=True)  # asm asked later: rebuilt with it
+    with_asm, built = triton_aot.build_cached(b, tmp_path, keep_asm=True)  # asm asked later: rebuilt with it
     assert built and (tmp_path / meta["key"] / "kernel.sass").read_text().count("HMMA") > 0
 
 
 def test_cache_key_follows_source_and_target():
-    fwd = [b for b in build.plan(["sm80", "sm89"], dtypes=("bf16",), head_dims=(64,)) if b.kernel == "fwd_kernel"]
-    assert len({build.fingerprint(b) for b in fwd}) == len(fwd) == 4
+    fwd = [b for b in plan(["sm80", "sm89"], dtypes=("bf16",), head_dims=(64,)) if b.kernel == "fwd_kernel"]
+    assert len({triton_aot.fingerprint(b) for b in fwd}) == len(fwd) == 4
+    # the kernel file's source is in the key: the same build naming another rendered module's file is another entry
+    other = TritonVariant("fwd", variants.FwdTile(32, 32, 4, 1), "triton_fa2_fwd.py.jinja", "sm80", 64, "bf16", False)
+    other_path = registered()["triton_fa2"].builds(other)[0].path
+    assert other_path != fwd[0].path
+    assert triton_aot.fingerprint(dataclasses.replace(fwd[0], path=other_path)) != triton_aot.fingerprint(fwd[0])
 
 
 def test_build_cli(tmp_path, capsys):
@@ -70,14 +90,25 @@ def test_build_cli(tmp_path, capsys):
     assert "unknown build target 'sm75'" in capsys.readouterr().err
 
 
-def test_prebuilt_kernels_load_from_the_cache_without_compiling(tmp_path):
-    builds = build.plan(["sm90"], dtypes=("bf16",), head_dims=(64,), causal=(True,))
-    assert build.load_cached(builds[0], tmp_path) is None  # nothing built yet
+def test_prebuilt_kernels_load_from_the_cache_without_compiling(tmp_path, monkeypatch):
+    builds = plan(["sm90"], dtypes=("bf16",), head_dims=(64,), causal=(True,))
+    assert triton_aot.load_cached(builds[0], tmp_path) is None  # nothing built yet
     for b in builds:
-        build.build_cached(b, tmp_path)
+        triton_aot.build_cached(b, tmp_path)
     for b in builds:
-        kernel = build.load_cached(b, tmp_path)
+        kernel = triton_aot.load_cached(b, tmp_path)
         assert kernel.metadata.name == b.kernel and kernel.metadata.num_warps == b.num_warps
-    other_target = build.KernelBuild(*[getattr(builds[0], f) for f in ("module", "kernel")], "sm80", "bf16", 64, True,
-                                     builds[0].num_warps, builds[0].num_stages)
-    assert build.load_cached(other_target, tmp_path) is None  # keyed by target: no wrong cubin
+    other_target = dataclasses.replace(builds[0], arch="sm80")
+    assert triton_aot.load_cached(other_target, tmp_path) is None  # keyed by target: no wrong cubin
+    # What a launch on an sm90 device looks up (the generated module's kernel, its constexprs, warps and
+    # stages, as its launch() passes them) is what was built: the first call compiles nothing.
+    monkeypatch.setattr(triton_launch, "_arch", lambda device: "sm90")
+    (variant,) = [v for v in registered()["triton_fa2"].variants(["sm90"], dtypes=("bf16",), head_dims=(64,),
+                                                                   causal=(True,)) if v.family == "fwd"]
+    tile = variant.tile
+    lookup = dict(kernel=variant.module.fwd_kernel, device=torch.device("cuda"), dtype_name="bf16",
+                  constexprs=dict(HEAD_DIM=64, D=64, CAUSAL=True), num_warps=tile.num_warps, num_stages=tile.num_stages)
+    found = triton_launch.find_prebuilt(**lookup, cache_dir=tmp_path)
+    assert found is not None and found.metadata.name == "fwd_kernel"
+    assert triton_launch.find_prebuilt(**dict(lookup, constexprs=dict(HEAD_DIM=64, D=64, CAUSAL=False)),
+                                       cache_dir=tmp_path) is None  # not built: the JIT serves it

@@ -7,7 +7,14 @@ import triton
 from attnforge.backends.triton_fa2.variants import SMEM, SPILL_CHECKED_WITH
 from attnforge.backends.triton_rocm import variants
 from attnforge.cli import main
-from attnforge.codegen import build
+from attnforge.dispatch import registered
+from attnforge.runtime import triton_aot
+
+
+def plan(archs, **kw):
+    """What `attnforge build` compiles for triton_rocm on ``archs``: every build of every variant it can pick."""
+    backend = registered()["triton_rocm"]
+    return list(dict.fromkeys(b for v in backend.variants(archs, strict=True, **kw) for b in backend.builds(v)))
 
 MFMA = {"gfx90a": "v_mfma_f32_16x16x16bf16_1k", "gfx942": "v_mfma_f32_16x16x16_bf16", "gfx950": "v_mfma_f32_16x16x32_bf16"}
 
@@ -20,8 +27,10 @@ def cache(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["gfx90a", "gfx942", "gfx950"])
 @pytest.mark.parametrize("head_dim", variants.HEAD_DIMS)
 def test_cdna_kernels_use_mfma_and_do_not_spill(arch, head_dim, cache):
-    for b in build.plan([arch], dtypes=("bf16",), head_dims=(head_dim,), causal=(True,)):
-        meta, _ = build.build_cached(b, cache)
+    builds = plan([arch], dtypes=("bf16",), head_dims=(head_dim,), causal=(True,))
+    assert sorted(b.kernel for b in builds) == ["dkdv_kernel", "dq_kernel", "fwd_kernel", "preprocess_kernel"]
+    for b in builds:
+        meta, _ = triton_aot.build_cached(b, cache)
         assert meta["binary"] == "kernel.hsaco" and dict(b.options)["waves_per_eu"] in (1, 2)
         if b.kernel != "preprocess_kernel":
             assert any(i.startswith("v_mfma_f32_") for i in meta["instructions"]), (b.name(), meta["instructions"])
@@ -32,8 +41,8 @@ def test_cdna_kernels_use_mfma_and_do_not_spill(arch, head_dim, cache):
 
 def test_mfma_shape_follows_the_arch_and_options(cache):
     for arch, insn in MFMA.items():
-        (b,) = [x for x in build.plan([arch], dtypes=("bf16",), head_dims=(64,), causal=(False,)) if x.kernel == "fwd_kernel"]
-        meta, _ = build.build_cached(b, cache)
+        (b,) = [x for x in plan([arch], dtypes=("bf16",), head_dims=(64,), causal=(False,)) if x.kernel == "fwd_kernel"]
+        meta, _ = triton_aot.build_cached(b, cache)
         assert insn in meta["instructions"], (arch, meta["instructions"])
 
 

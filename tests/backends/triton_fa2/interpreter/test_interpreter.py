@@ -6,7 +6,6 @@ fp16 and fp32 only: the interpreter's bf16 tl.dot multiplies raw bit patterns (t
 issue 11584), so bf16 numerics are checked on the GPU (tests/test_api.py's cuda cases).
 """
 
-import importlib
 import math
 import os
 
@@ -17,25 +16,32 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 in its own process (test_interpreter_suite starts it)")
 
 from attnforge import attention, explain, use_backend  # noqa: E402
-from attnforge.backends.triton_fa2 import variants  # noqa: E402
-from attnforge.backends.triton_rocm import variants as rocm_variants  # noqa: E402
+from attnforge.codegen import Source  # noqa: E402
+from attnforge.dispatch import registered  # noqa: E402
+from attnforge.runtime import generated  # noqa: E402
 from attnforge.testing import assert_close, oracle, peer_error  # noqa: E402
 
-# Every rendered module of both Triton backends (triton_rocm's are triton_fa2's kernels with AMD
-# tiles and compile options, which the interpreter ignores; the tiles still change the loops).
-PACKAGES = {variants: "attnforge.backends.triton_fa2._generated",
-            rocm_variants: "attnforge.backends.triton_rocm._generated"}
-FWD_TILES = [(PACKAGES[m], t) for m in PACKAGES for t in m.all_tiles()[0]]
-BWD_TILES = [(PACKAGES[m], t) for m in PACKAGES for t in m.all_tiles()[1]]
+# Every module either Triton backend can pick, on any arch (triton_rocm's are triton_fa2's kernels with
+# AMD tiles and compile options, which the interpreter ignores; the tiles still change the loops),
+# rendered from its backend's template into the cache as at run time.
+BACKENDS = [registered()[name] for name in ("triton_fa2", "triton_rocm")]
+FWD_TILES = [(b, "fwd", t) for b in BACKENDS for t in b.variants_table.all_tiles()[0]]
+BWD_TILES = [(b, "bwd", t) for b in BACKENDS for t in b.variants_table.all_tiles()[1]]
 
 
 def module(entry):
-    package, tile = entry
-    return importlib.import_module(f"{package}.{tile.module}")
+    backend, family, tile = entry
+    return generated.load(Source.of(backend.templates[family], tile.params(), tile.module))
 
 
 def tile_id(entry):
-    return f"{entry[0].split('.')[2]}.{entry[1].module}"
+    return f"{entry[0].name}.{entry[2].module}"
+
+
+def test_every_variant_the_backends_plan_is_covered():
+    """The tiles above are what the planner can pick: every variant's module, and no other."""
+    covered = {(b.name, family, t) for b, family, t in FWD_TILES + BWD_TILES}
+    assert covered == {(b.name, v.family, v.tile) for b in BACKENDS for v in b.variants()}
 
 
 def inputs(gen, b, hq, hkv, nq, nk, d, dtype, layout="bhsd"):
