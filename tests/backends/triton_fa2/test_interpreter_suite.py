@@ -15,6 +15,6 @@ HERE = pathlib.Path(__file__).parent
 
 @pytest.mark.skipif(Version(triton.__version__) < Version("3.8") and Version(numpy.__version__) >= Version("2.4"),
                     reason="Triton < 3.8's interpreter fails on range() with a runtime bound under numpy >= 2.4 "
-                           "('only 0-dimensional arrays can be converted'; ../shared/notes/triton-attention.md, section 4)")
+                           "('only 0-dimensional arrays can be converted'; docs/kernel-notes.md, section 5)")
 def test_interpreter_suite_passes():
     run_interpreter_tests(HERE / "interpreter")
