@@ -1,27 +1,33 @@
 """Self-check on first use: before a (backend, variant, device) first serves a call in a process, it
 runs a tiny problem of the same variant (dtype, head dims, causality, GQA, odd lengths) against fp64
-math on the same device. A variant that disagrees beyond tolerance (or gives NaN, or raises) is
-disabled for the process: the Decision lists it as rejected with "self-check failed: ...", the
-fallback is logged, and the call goes to the next backend.
+math on the same device. A variant that disagrees beyond tolerance (or gives NaN) is disabled: the
+Decision lists it as rejected with "self-check failed: ...", the fallback is logged, and the call goes
+to the next backend. A tiny problem that raises (out of memory, a broken compiler cache, a bad
+environment) disables the variant in this process only ("self-check could not run: ..."): nothing is
+written, and the next process checks again.
 
-Results are kept on disk per device and attnforge version (<cache>/selfcheck/), so a machine runs each
-check once; ``ATTNFORGE_SELFCHECK=0`` turns the checks off. The reference backend is the oracle and is
-not checked. Meant first for kernels that were compiled but never run on their hardware (cute_sm100).
+Verdicts (passes and numerical disagreements) are kept on disk per device (<cache>/selfcheck/), each
+with the attnforge, torch, triton and nvidia-cutlass-dsl versions it was reached with, and is ignored
+once any of those differs; so a machine runs each check once per software stack. Records of any other
+shape are ignored. ``ATTNFORGE_SELFCHECK`` set to 0, false, no or off (any case, spaces around ignored)
+turns the checks off. The reference backend is the oracle and is not checked. Meant first for kernels
+that were compiled but never run on their hardware (cute_sm100).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import logging
 import os
 import re
-import tempfile
 import time
 
 import torch
 
 from .._version import __version__
-from ..runtime.cache import default_cache_dir
+from ..runtime.cache import default_cache_dir, write_atomic
 from .call import Call
 from .problem import DTYPES, Problem
 
@@ -35,8 +41,11 @@ _verdicts: dict[str, tuple[str, ...]] = {}  # this process: key -> reasons (empt
 costs: list[tuple[str, float]] = []  # (key, seconds) of the checks this process ran
 
 
+OFF = ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV_VAR, "1") not in ("0", "false", "no", "off")
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in OFF
 
 
 def key_of(backend, variant, problem: Problem) -> str:
@@ -45,27 +54,49 @@ def key_of(backend, variant, problem: Problem) -> str:
             f"d{problem.head_dim}/{problem.head_dim_v}|{problem.mask.describe() or 'full'}|{d.name}|{d.arch}")
 
 
+@functools.lru_cache(maxsize=1)
+def versions() -> dict[str, str | None]:
+    """The software a verdict was reached with (None: not installed); a record with others is ignored."""
+    def installed(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return {"attnforge": __version__, "torch": torch.__version__, "triton": installed("triton"),
+            "nvidia-cutlass-dsl": installed("nvidia-cutlass-dsl")}
+
+
 def _store_path(problem: Problem):
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{problem.device.name}-{problem.device.arch}")
-    return default_cache_dir() / "selfcheck" / f"{slug}-{__version__}.json"
+    return default_cache_dir() / "selfcheck" / f"{slug}.json"
 
 
 def _read(path) -> dict:
+    """The records in ``path`` ({} when it is missing, unreadable or not a JSON object)."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _stored(record) -> tuple[str, ...] | None:
+    """The reasons a record holds, or None when it is not a whole record of this software stack."""
+    if not isinstance(record, dict) or record.get("versions") != versions():
+        return None
+    ok, reasons = record.get("ok"), record.get("reasons")
+    if not isinstance(ok, bool) or not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
+        return None
+    if ok == bool(reasons):
+        return None
+    return tuple(reasons)
 
 
 def _write(path, key: str, reasons: tuple[str, ...], seconds: float) -> None:
+    data = _read(path)
+    data[key] = {"ok": not reasons, "reasons": list(reasons), "seconds": round(seconds, 4), "versions": versions()}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read(path)
-        data[key] = {"ok": not reasons, "reasons": list(reasons), "seconds": round(seconds, 4)}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())
     except OSError:
         pass  # a read-only cache only costs the next process a check
 
@@ -79,41 +110,57 @@ def reasons(backend, variant, problem: Problem) -> tuple[str, ...]:
     key = key_of(backend, variant, problem)
     if key in _verdicts:
         return _verdicts[key]
-    path = _store_path(problem)
-    stored = _read(path).get(key)
+    try:
+        path = _store_path(problem)
+    except OSError:  # a bad ATTNFORGE_CACHE_DIR: checks are kept in this process only
+        path = None
+    stored = _stored(_read(path).get(key)) if path is not None else None
     if stored is not None:
-        _verdicts[key] = tuple(stored["reasons"])
-        return _verdicts[key]
+        _verdicts[key] = stored
+        return stored
     t0 = time.perf_counter()
-    why = _run(backend, variant, problem)
+    why, lasting = _outcome(backend, variant, problem)
     seconds = time.perf_counter() - t0
     costs.append((key, seconds))
     _verdicts[key] = why
-    _write(path, key, why, seconds)
-    if why:
+    if lasting and path is not None:
+        _write(path, key, why, seconds)
+    if why and lasting:
         logger.warning("attnforge: self-check of %s failed on %s (%s); it is disabled on this machine until the "
                        "check's record in %s is removed", key, problem.device.name, "; ".join(why), path)
+    elif why:
+        logger.warning("attnforge: self-check of %s could not run on %s (%s); it is disabled in this process "
+                       "only", key, problem.device.name, "; ".join(why))
     return why
 
 
+def _outcome(backend, variant, problem: Problem) -> tuple[tuple[str, ...], bool]:
+    """(reasons, lasting): the check's verdict, and whether it says something about the variant (a pass
+    or a numerical disagreement, kept on disk) rather than about this process (an exception)."""
+    try:
+        with torch.device(problem.device.torch_device):  # whatever default device the caller set
+            return _run(backend, variant, problem), True
+    except Exception as exc:  # noqa: BLE001 - out of memory, a broken cache or toolkit: not the variant's verdict
+        return (f"self-check could not run: the tiny problem raised {type(exc).__name__}: {str(exc)[:200]}; "
+                f"disabled in this process only, retried by the next process",), False
+
+
 def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
-    """The tiny problem run by ``variant``, on the device, against fp64 math on the same (rounded) inputs."""
+    """The tiny problem run by ``variant``, on the device, against fp64 math on the same (rounded) inputs.
+    Raises what the variant raises."""
     from ..backends.reference import math_attention
     from ..testing import error_and_bound, fp8_peer, rel_error
 
     device, dtype = problem.device.torch_device, DTYPES[problem.dtype]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(heads, seqlen, dim):
-        return torch.randn(BATCH, heads, seqlen, dim, generator=g).to(device=device, dtype=dtype)
+        return torch.randn(BATCH, heads, seqlen, dim, generator=g, device="cpu").to(device=device, dtype=dtype)
 
     q, k, v = (rand(HEADS_Q, SEQLEN_Q, problem.head_dim), rand(HEADS_KV, SEQLEN_K, problem.head_dim),
                rand(HEADS_KV, SEQLEN_K, problem.head_dim_v))
     scale = problem.head_dim ** -0.5
-    try:
-        out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask))
-    except Exception as exc:  # a kernel that cannot even run is as broken as a wrong one
-        return (f"self-check failed: the tiny problem raised {type(exc).__name__}: {str(exc)[:200]}",)
+    out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask))
     ref, _ = math_attention(q.double(), k.double(), v.double(), mask=problem.mask, scale=scale)
     if not torch.isfinite(out).all():
         return ("self-check failed: NaN or inf in the output of a tiny problem",)

@@ -9,9 +9,16 @@ count, sequence length and stride. Compiled kernels are exported (``export_to_c`
 source, and later processes load them from there, so a machine compiles each variant once. Kernels are
 called through TVM FFI (``--enable-tvm-ffi``): torch tensors go in directly, on the current stream.
 
-The CuTe DSL fixes its target arch when ``cutlass`` is first imported (``CUTE_DSL_ARCH``; with no GPU its
-own detection picks sm_100a, on which WGMMA kernels do not build; docs/kernel-notes.md section 8). A process set up for one arch builds
-another arch's kernels in a child process.
+An exported ``<key>.o`` is loaded only when the ``<key>.json`` written beside it (after it) records its
+size and sha256 and the file matches, and when cache.untrusted finds nothing wrong with the folders;
+otherwise the kernel is compiled in memory (and exported anew where the cache can be written), with a
+warning logged once.
+
+The CuTe DSL fixes its target arch when ``cutlass`` is first imported: it reads ``CUTE_DSL_ARCH`` then
+(nvidia-cutlass-dsl 4.8: EnvironmentVarManager, built at import; with no GPU its own detection picks
+sm_100a, on which WGMMA kernels do not build; docs/kernel-notes.md section 8). ``target`` sets the
+variable for that import alone and restores it, so the user's environment is left as it was. A process
+set up for one arch builds another arch's kernels in a child process.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import sys
 import threading
 
 from .._version import __version__
-from .cache import default_cache_dir, locked
+from .cache import (FILE_MODE, CacheError, default_cache_dir, locked, make_dirs, scratch_dir, untrusted,
+                    warn_once, write_atomic)
+from .env import scoped
 
 EXPORTED_NAME = "attnforge_kernel"
 
@@ -49,16 +58,23 @@ class CuteBuild:
         return f"{self.cache_name} {self.module}.{self.dtype}.{'causal' if self.causal else 'full'}"
 
 
+_imported_for: list[str] = []  # the CUTE_DSL_ARCH cutlass was imported with, when target() imported it
+
+
 def target(arch: str) -> None:
-    """Before anything imports cutlass: make ``arch`` the arch it will compile for, unless CUTE_DSL_ARCH
-    says otherwise already."""
-    if "cutlass" not in sys.modules:
-        os.environ.setdefault("CUTE_DSL_ARCH", arch)
+    """Import cutlass set up for ``arch``, unless it is imported already or CUTE_DSL_ARCH names another
+    arch. The variable is set for the import only: the DSL reads it there and nowhere after."""
+    if "cutlass" in sys.modules:
+        return
+    chosen = os.environ.get("CUTE_DSL_ARCH") or arch
+    with scoped("CUTE_DSL_ARCH", chosen):
+        import cutlass  # noqa: F401
+    _imported_for[:] = [chosen]
 
 
 def arch_ready(arch: str) -> bool:
     """Whether this process's CuTe DSL compiles for ``arch`` (decided when cutlass was imported)."""
-    env = os.environ.get("CUTE_DSL_ARCH")
+    env = _imported_for[0] if _imported_for else os.environ.get("CUTE_DSL_ARCH")
     if env:
         return env == arch
     import torch
@@ -82,13 +98,14 @@ def import_cutlass(arch: str):
     import cutlass
 
     if not arch_ready(arch):
-        raise RuntimeError(f"the CuTe DSL was imported here for {os.environ.get('CUTE_DSL_ARCH') or 'the local GPU'}; "
+        imported = _imported_for[0] if _imported_for else os.environ.get("CUTE_DSL_ARCH")
+        raise RuntimeError(f"the CuTe DSL was imported here for {imported or 'the local GPU'}; "
                            f"these kernels compile for {arch}: set CUTE_DSL_ARCH={arch} before anything imports cutlass")
     return cutlass
 
 
 def _module(build: CuteBuild):
-    target(build.arch)  # the module imports cutlass at its top
+    target(build.arch)  # the module imports cutlass at its top: imported here first, for the build's arch
     from .generated import import_path
 
     return import_path(build.path, build.module)
@@ -145,16 +162,43 @@ def export(fn, path: pathlib.Path) -> None:
     """Write a compiled kernel to ``path`` (atomically: a reader sees no file or a whole one)."""
     import tempfile
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".o")
     os.close(fd)
     try:
         fn.export_to_c(object_file_path=tmp, function_name=EXPORTED_NAME)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a deployment's cache is read by its users
+        data = pathlib.Path(tmp).read_bytes()
+        os.chmod(tmp, FILE_MODE)  # mkstemp makes it private
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    # written after the .o: a reader that finds the record finds the object it describes (or a newer one,
+    # which fails the check and is rebuilt)
+    record = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "attnforge": __version__}
+    write_atomic(record_path(path), json.dumps(record).encode())
+
+
+def record_path(path: pathlib.Path) -> pathlib.Path:
+    """The content record written beside an exported ``<key>.o``: ``<key>.json``."""
+    return pathlib.Path(path).with_suffix(".json")
+
+
+def check_object(path: pathlib.Path) -> str | None:
+    """Why the exported object ``path`` must not be loaded (None: it matches its content record)."""
+    try:
+        record = json.loads(record_path(path).read_text())
+        data = pathlib.Path(path).read_bytes()
+    except FileNotFoundError as exc:
+        return f"{exc.filename} is missing"
+    except (OSError, ValueError) as exc:
+        return f"unreadable ({exc})"
+    if not isinstance(record, dict) or not isinstance(record.get("sha256"), str) or \
+            type(record.get("bytes")) is not int:
+        return f"{record_path(path).name} is not a content record"
+    if len(data) != record["bytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+        return "it does not match the size and sha256 recorded beside it"
+    return None
 
 
 def _load_runtime_libraries() -> None:
@@ -188,24 +232,36 @@ def cache_path(build: CuteBuild, cache_dir: pathlib.Path | None = None) -> pathl
 
 def build_cached(build: CuteBuild, cache_dir: pathlib.Path | None = None,
                  keep_asm: bool = False) -> tuple[pathlib.Path, bool]:
-    """Compile and export one kernel into the cache unless it is there (in a child process when this one's
-    CuTe DSL targets another arch). ``keep_asm``: also keep its PTX, cubin and SASS in ``<key>.asm/``.
-    Returns (path, built_now)."""
+    """Compile and export one kernel into the cache unless it is there and matches its content record (in a
+    child process when this one's CuTe DSL targets another arch). ``keep_asm``: also keep its PTX, cubin
+    and SASS in ``<key>.asm/``. A kernel that is there is found with no write; a bad one is rebuilt, with
+    a warning. Returns (path, built_now); raises CacheError naming the path when the cache cannot be written."""
     path = cache_path(build, cache_dir)
     asm_dir = path.with_suffix(".asm")
+    if check_object(path) is None and (not keep_asm or asm_dir.is_dir()):
+        return path, False
     with locked(path.parent / "locks" / f"{path.stem}.lock"):
-        have = path.is_file() and path.stat().st_size
-        if have and (not keep_asm or asm_dir.is_dir()):
-            return path, False
-        if not have:
-            if can_compile_here(build.arch):
-                export(compile_kernel(build), path)
-            else:
-                _in_child(build, "export", str(path))
+        bad = check_object(path)
+        if bad is not None:
+            if path.exists():
+                warn_once(f"rebuilding the CuTe kernel {path}: {bad}")
+            _export_here_or_in_child(build, path)
         if keep_asm:
             compile_to(build, str(asm_dir))
             _write_sass(asm_dir)
         return path, True
+
+
+def _export_here_or_in_child(build: CuteBuild, path: pathlib.Path) -> None:
+    try:
+        if can_compile_here(build.arch):
+            export(compile_kernel(build), path)
+        else:
+            _in_child(build, "export", str(path))
+    except CacheError:
+        raise
+    except OSError as exc:
+        raise CacheError(f"cannot write the CuTe kernel {path}: {exc.strerror or exc}") from exc
 
 
 def _write_sass(asm_dir: pathlib.Path) -> None:
@@ -232,22 +288,49 @@ def compiled(build: CuteBuild):
 
 
 def _load_or_compile(build: CuteBuild):
-    path = cache_path(build)
-    if path.is_file():
-        try:
-            return load(path)
-        except Exception:  # torn or foreign entry: rebuild it
-            path.unlink(missing_ok=True)
+    """The exported kernel when the cache has a good and trusted one; else compiled now, and exported for
+    the next process where the cache can take it. Never raises for the cache's sake: a cache that cannot
+    be used costs a compile and one warning."""
+    try:
+        root = default_cache_dir()
+        path = cache_path(build, root)
+    except CacheError as exc:
+        warn_once(f"CuTe kernels are compiled in memory: {exc}")
+        return _compile_in_memory(build)
+    distrusted = untrusted(path.parent, root)
+    if distrusted:
+        warn_once(f"CuTe kernels are compiled in memory, neither loaded from nor kept in {path.parent}: {distrusted}")
+        return _compile_in_memory(build)
+    if path.exists():
+        why = untrusted(path, root) or check_object(path)
+        if why is None:
+            try:
+                return load(path)
+            except Exception as exc:  # an object that passed its check but does not load: compile instead
+                why = f"it does not load ({type(exc).__name__}: {exc})"
+        warn_once(f"not loading the CuTe kernel {path}: {why}; it is compiled instead")
     if not can_compile_here(build.arch):
-        return load(build_cached(build)[0])
+        try:
+            return load(build_cached(build, root)[0])
+        except CacheError as exc:
+            warn_once(f"CuTe kernels are compiled in memory: {exc}")
+            return _compile_in_memory(build)
     fn = compile_kernel(build)
     try:
         with locked(path.parent / "locks" / f"{path.stem}.lock"):
-            if not path.is_file():
+            if check_object(path) is not None:
                 export(fn, path)
-    except OSError:
-        pass  # a read-only cache only costs the next process a compile
+    except OSError as exc:  # CacheError included: a read-only cache costs the next process a compile
+        warn_once(f"CuTe kernels compiled here are not kept for the next process: {exc}")
     return fn
+
+
+def _compile_in_memory(build: CuteBuild):
+    """The kernel compiled in this process, or, for another arch than this process's DSL targets, exported
+    by a child into this process's scratch folder and loaded from there."""
+    if can_compile_here(build.arch):
+        return compile_kernel(build)
+    return load(build_cached(build, scratch_dir())[0])
 
 
 def forget() -> None:

@@ -12,7 +12,7 @@ import sys
 import threading
 
 from ..codegen.render import render
-from .cache import default_cache_dir, locked, write_atomic
+from .cache import CacheError, default_cache_dir, locked, scratch_dir, untrusted, warn_once, write_atomic
 
 _lock = threading.Lock()
 _modules: dict[tuple, object] = {}  # (template, params, name, folder) -> module, per process
@@ -39,10 +39,26 @@ def digest(text: str) -> str:
 
 
 def path_of(template: str, params: dict, name: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
-    """Where the rendered module lives in the cache, written there (and checked) if need be."""
+    """Where the rendered module lives in the cache, written there (and checked) if need be. A default
+    cache that cannot take it (read-only, a bad ATTNFORGE_CACHE_DIR, or one that cache.untrusted refuses
+    to import code from) gives way to this process's scratch folder, with a warning logged once; an
+    explicit ``cache_dir`` that cannot raises CacheError."""
     text = source(template, params)
-    folder = pathlib.Path(cache_dir or default_cache_dir()) / "generated"
+    if cache_dir is not None:
+        return _placed(pathlib.Path(cache_dir), name, text)
+    try:
+        return _placed(default_cache_dir(), name, text)
+    except OSError as exc:  # CacheError included
+        warn_once(f"generated kernel modules go to {scratch_dir()} for this process: {exc}")
+        return _placed(scratch_dir(), name, text)
+
+
+def _placed(root: pathlib.Path, name: str, text: str) -> pathlib.Path:
+    folder = root / "generated"
     path = folder / f"{name}-{digest(text)}.py"
+    why = untrusted(path, root)
+    if why:
+        raise CacheError(f"{why}: attnforge imports no code from there")
     if _intact(path, text):
         return path
     with locked(folder / "locks" / f"{path.stem}.lock"):
@@ -60,7 +76,7 @@ def _intact(path: pathlib.Path, text: str) -> bool:
 
 def load(source, cache_dir: pathlib.Path | None = None):
     """The module a codegen.Source renders to, imported once per process from the cache."""
-    key = (source, str(cache_dir or default_cache_dir()))
+    key = (source, str(cache_dir) if cache_dir is not None else _default_name())
     module = _modules.get(key)
     if module is None:
         with _lock:
@@ -69,6 +85,13 @@ def load(source, cache_dir: pathlib.Path | None = None):
                 path = path_of(source.template, source.params, source.name, cache_dir)
                 module = _modules[key] = import_path(path, source.name)
     return module
+
+
+def _default_name() -> str:
+    try:
+        return str(default_cache_dir())
+    except OSError:
+        return ""
 
 
 def path_for(source, cache_dir: pathlib.Path | None = None) -> pathlib.Path:

@@ -26,7 +26,8 @@ import sys
 import tempfile
 
 from .._version import __version__
-from .cache import locked
+from .cache import DIR_MODE, FILE_MODE, CacheError, locked, untrusted, warn_once
+from .env import triton_flag
 
 # Instructions that show a kernel uses what its target offers: HMMA (sm80/89 mma.sync), HGMMA/QGMMA
 # (sm90 WGMMA, 16- and 8-bit), UTMALDG (sm90 TMA loads), LDGSTS (cp.async), UTCHMMA (sm100 tcgen05),
@@ -100,13 +101,19 @@ def source_of(build: KernelBuild, signature=None, constexprs=None, aligned=None)
                      constexprs=dict(build.constexprs if constexprs is None else constexprs), attrs=attrs)
 
 
+def fp_fusion() -> bool:
+    """Whether kernels are compiled with FMA fusion: TRITON_DEFAULT_FP_FUSION as Triton reads it (default
+    on). Passed to triton.compile as an option, so no call sets the variable in the user's environment."""
+    return triton_flag("TRITON_DEFAULT_FP_FUSION", True)
+
+
 def compile_kernel(build: KernelBuild):
     """triton.compile the kernel for its target; returns the CompiledKernel."""
     import triton
 
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # explicit: it is in Triton's cache key
-    return triton.compile(source_of(build), target=build.target(),
-                          options={"num_warps": build.num_warps, "num_stages": build.num_stages, **dict(build.options)})
+    options = {"num_warps": build.num_warps, "num_stages": build.num_stages, "enable_fp_fusion": fp_fusion(),
+               **dict(build.options)}
+    return triton.compile(source_of(build), target=build.target(), options=options)
 
 
 def fingerprint(build: KernelBuild) -> str:
@@ -114,7 +121,7 @@ def fingerprint(build: KernelBuild) -> str:
     import triton
 
     h = hashlib.sha256()
-    for part in (__version__, triton.__version__, os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"), build.name(),
+    for part in (__version__, triton.__version__, "1" if fp_fusion() else "0", build.name(),
                  str(build.num_warps), str(build.num_stages), repr(build.options)):
         h.update(part.encode() + b"\0")
     h.update(pathlib.Path(build.path).read_bytes())
@@ -169,25 +176,94 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _read_entry(entry: pathlib.Path) -> dict | None:
-    """The entry's metadata if the entry is whole: its binary matches the recorded size and digest."""
+class BadEntry(Exception):
+    """A cache entry that is not whole and valid; the message says what is wrong."""
+
+
+def _field(meta: dict, name: str, kind, check=lambda value: True):
+    value = meta.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool or not check(value):
+        raise BadEntry(f"meta.json field {name!r} is {value!r}")
+    return value
+
+
+def _pairs(value) -> bool:
+    return all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in value)
+
+
+def _check_meta(meta) -> dict:
+    """The fields load_cached and run() read, each of the type they need."""
+    if not isinstance(meta, dict):
+        raise BadEntry(f"meta.json holds a {type(meta).__name__}, not an object")
+    _field(meta, "kernel_name", str, str.isidentifier)
+    _field(meta, "binary", str, lambda b: b in ("kernel.cubin", "kernel.hsaco"))
+    _field(meta, "binary_bytes", int, lambda n: n > 0)
+    _field(meta, "binary_sha256", str, lambda h: len(h) == 64)
+    _field(meta, "key", str)
+    _field(meta, "signature", list, _pairs)
+    _field(meta, "constexprs", list, _pairs)
+    _field(meta, "aligned", list, lambda a: all(isinstance(x, str) for x in a))
+    for name in ("registers", "stack_bytes", "shared_bytes"):
+        _field(meta, name, int, lambda n: n >= 0)
+    _field(meta, "asm", list, lambda a: all(isinstance(x, str) for x in a))
+    if meta.get("instructions") is not None:
+        _field(meta, "instructions", list, lambda a: all(isinstance(x, str) for x in a))
+    return meta
+
+
+def _check_triton_json(entry: pathlib.Path, kernel_name: str) -> None:
+    data = json.loads((entry / "triton.json").read_text())
+    if not isinstance(data, dict) or data.get("name") != kernel_name:
+        raise BadEntry(f"triton.json is not Triton's metadata of {kernel_name}")
+
+
+def _read_entry(entry: pathlib.Path, key: str | None = None) -> dict:
+    """The entry's metadata, checked: every field read has its type, Triton's metadata names the kernel,
+    and the binary matches the recorded size and digest. Raises BadEntry (or OSError: no entry)."""
     try:
-        meta = json.loads((entry / "meta.json").read_text())
-        json.loads((entry / "triton.json").read_text())
+        meta = _check_meta(json.loads((entry / "meta.json").read_text()))
+        if key is not None and meta["key"] != key:
+            raise BadEntry(f"meta.json is of entry {meta['key']}, not {key}")
+        _check_triton_json(entry, meta["kernel_name"])
         binary = (entry / meta["binary"]).read_bytes()
-        if len(binary) != meta["binary_bytes"] or _sha256(binary) != meta["binary_sha256"]:
-            return None
-        return meta
-    except (OSError, ValueError, KeyError, TypeError):
+    except ValueError as exc:  # JSON that does not parse
+        raise BadEntry(f"unreadable JSON ({exc})") from exc
+    if len(binary) != meta["binary_bytes"] or _sha256(binary) != meta["binary_sha256"]:
+        raise BadEntry(f"{meta['binary']} does not match the size and sha256 recorded in meta.json")
+    return meta
+
+
+def entry_path(build: KernelBuild, cache_dir: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(cache_dir) / fingerprint(build)
+
+
+def _whole(entry: pathlib.Path, key: str) -> dict | None:
+    """The entry's metadata, or None when there is no entry or a bad one (said in a warning)."""
+    if not (entry / "meta.json").exists():
+        return None
+    try:
+        return _read_entry(entry, key)
+    except FileNotFoundError:
+        return None
+    except (BadEntry, OSError) as exc:
+        warn_once(f"ignoring the Triton build entry {entry}: {exc}")
         return None
 
 
 def load_cached(build: KernelBuild, cache_dir: pathlib.Path):
     """The CompiledKernel for ``build`` from the cache, ready to launch with no compilation, or None when
-    the cache has no whole entry for it, or one compiled with other constants."""
-    entry = pathlib.Path(cache_dir) / fingerprint(build)
-    meta = _read_entry(entry)
+    the cache has no whole, valid and trusted entry for it (cache.untrusted), or one compiled with other
+    constants. Bad and untrusted entries are passed over with a warning: the JIT serves the call."""
+    cache_dir = pathlib.Path(cache_dir)
+    key = fingerprint(build)
+    entry = cache_dir / key
+    meta = _whole(entry, key)
     if meta is None:
+        return None
+    files = [entry / "meta.json", entry / "triton.json", entry / meta["binary"]]
+    why = next(filter(None, (untrusted(f, cache_dir) for f in files)), None)
+    if why:
+        warn_once(f"not loading the prebuilt Triton kernel {entry}: {why}; the kernel is compiled instead")
         return None
     if build.constexprs and dict(build.constexprs) != {name: value for name, value in meta["constexprs"]}:
         return None
@@ -201,44 +277,72 @@ def load_cached(build: KernelBuild, cache_dir: pathlib.Path):
 
 
 def build_cached(build: KernelBuild, cache_dir: pathlib.Path, keep_asm: bool = False) -> tuple[dict, bool]:
-    """Compile ``build`` into ``cache_dir`` unless a whole entry is there. Returns (meta, built_now)."""
+    """Compile ``build`` into ``cache_dir`` unless a whole entry is there. Returns (meta, built_now).
+    An entry that is there is found with no write (a read-only cache of built kernels is fine); a bad
+    one is rebuilt, with a warning. Raises CacheError naming the path when the cache cannot be written."""
     cache_dir = pathlib.Path(cache_dir)
     key = fingerprint(build)
     entry = cache_dir / key
+    meta = _whole(entry, key)
+    if meta is not None and (not keep_asm or meta["asm"]):
+        return meta, False
     with locked(cache_dir / "locks" / f"{key}.lock"):
-        meta = _read_entry(entry)
-        if meta is not None and (not keep_asm or meta.get("asm")):
+        meta = _whole(entry, key)
+        if meta is not None and (not keep_asm or meta["asm"]):
             return meta, False
         if entry.exists():  # corrupt, partial or without the listings asked for: rebuild from scratch
-            shutil.rmtree(entry)
-        ck = compile_kernel(build)
+            try:
+                shutil.rmtree(entry)
+            except OSError as exc:
+                raise CacheError(f"cannot remove the bad entry {entry}: {exc.strerror or exc}") from exc
+        return _compile_into(build, cache_dir, key, keep_asm), True
+
+
+def _compile_into(build: KernelBuild, cache_dir: pathlib.Path, key: str, keep_asm: bool) -> dict:
+    ck = compile_kernel(build)
+    try:
         tmp = pathlib.Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}."))
-        binary_kind = "hsaco" if build.amd else "cubin"
-        binary = ck.asm[binary_kind]
-        (tmp / f"kernel.{binary_kind}").write_bytes(binary)
-        if build.amd:  # the AMDGCN listing is small and holds the resource counts: always kept
-            asm = {"kernel.amdgcn": ck.asm["amdgcn"]}
-            res = amd_resources(asm["kernel.amdgcn"])
-        else:
-            res = resources(binary)
-            asm = {"kernel.ptx": ck.asm["ptx"], "kernel.sass": ck.asm["sass"]} if keep_asm else {}
-        for name, text in asm.items():
-            (tmp / name).write_text(text)
-        listing = next(iter(asm.values()), None) if build.amd else asm.get("kernel.sass")
-        # Triton's own metadata, from which triton.compiler.CompiledKernel loads the binary at run time.
-        triton_json = next(p for name, p in ck.metadata_group.items() if name.endswith(".json"))
-        shutil.copyfile(triton_json, tmp / "triton.json")
-        meta = {"build": {k: v for k, v in dataclasses.asdict(build).items() if k != "path"}, "key": key,
-                "kernel_name": ck.metadata.name, "shared_bytes": ck.metadata.shared,
-                "binary": f"kernel.{binary_kind}", "binary_bytes": len(binary), "binary_sha256": _sha256(binary),
-                "signature": [list(s) for s in build.signature], "constexprs": [list(c) for c in build.constexprs],
-                "aligned": list(build.aligned), **res, "asm": sorted(asm),
-                "instructions": instructions(listing) if listing else None}
-        meta = json.loads(json.dumps(meta))  # as a later read will see it (tuples become lists)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a deployment's cache is read by its users
-        tmp.rename(entry)  # atomic: a reader sees no entry or a whole one
-        return meta, True
+    except OSError as exc:
+        raise CacheError(f"cannot write in {cache_dir}: {exc.strerror or exc}") from exc
+    try:
+        meta = _write_entry(build, ck, tmp, key, keep_asm)
+        os.chmod(tmp, DIR_MODE)  # mkdtemp makes it private
+        tmp.rename(cache_dir / key)  # atomic: a reader sees no entry or a whole one
+        return meta
+    except OSError as exc:
+        raise CacheError(f"cannot write the entry {cache_dir / key}: {exc.strerror or exc}") from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_entry(build: KernelBuild, ck, tmp: pathlib.Path, key: str, keep_asm: bool) -> dict:
+    binary_kind = "hsaco" if build.amd else "cubin"
+    binary = ck.asm[binary_kind]
+    files = {f"kernel.{binary_kind}": binary}
+    if build.amd:  # the AMDGCN listing is small and holds the resource counts: always kept
+        asm = {"kernel.amdgcn": ck.asm["amdgcn"]}
+        res = amd_resources(asm["kernel.amdgcn"])
+    else:
+        res = resources(binary)
+        asm = {"kernel.ptx": ck.asm["ptx"], "kernel.sass": ck.asm["sass"]} if keep_asm else {}
+    files.update((name, text.encode()) for name, text in asm.items())
+    listing = next(iter(asm.values()), None) if build.amd else asm.get("kernel.sass")
+    # Triton's own metadata, from which triton.compiler.CompiledKernel loads the binary at run time.
+    triton_json = next(p for name, p in ck.metadata_group.items() if name.endswith(".json"))
+    files["triton.json"] = pathlib.Path(triton_json).read_bytes()
+    meta = {"build": {k: v for k, v in dataclasses.asdict(build).items() if k != "path"}, "key": key,
+            "kernel_name": ck.metadata.name, "shared_bytes": ck.metadata.shared,
+            "binary": f"kernel.{binary_kind}", "binary_bytes": len(binary), "binary_sha256": _sha256(binary),
+            "signature": [list(s) for s in build.signature], "constexprs": [list(c) for c in build.constexprs],
+            "aligned": list(build.aligned), **res, "asm": sorted(asm),
+            "instructions": instructions(listing) if listing else None}
+    meta = json.loads(json.dumps(meta))  # as a later read will see it (tuples become lists)
+    files["meta.json"] = json.dumps(meta, indent=1).encode()
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+        os.chmod(tmp / name, FILE_MODE)
+    return meta
 
 
 def run(builds: list[KernelBuild], cache_dir: pathlib.Path, keep_asm: bool = False, progress=print) -> list[dict]:

@@ -9,12 +9,12 @@ call that breaks either goes to the JIT, which specialises for it.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
-from .cache import default_cache_dir
+from .cache import CacheError, default_cache_dir, warn_once
+from .env import triton_interpret
 
 _MISSING = object()
 _PREBUILT: dict[tuple, object] = {}  # per process: (kernel, device, dtype name, constexprs, warps, stages) -> kernel or None
@@ -52,7 +52,7 @@ def find_prebuilt(kernel, device: torch.device, dtype_name: str | None, constexp
     """The CompiledKernel ``attnforge build`` left in the cache for this launch, or None."""
     from .triton_aot import KernelBuild, load_cached
 
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or dtype_name is None:
+    if device.type != "cuda" or triton_interpret() or dtype_name is None:
         return None
     arch = _arch(device)
     if arch is None:
@@ -61,7 +61,13 @@ def find_prebuilt(kernel, device: torch.device, dtype_name: str | None, constexp
     build = KernelBuild(fn.__globals__["__file__"], module_name(fn), fn.__name__, arch, dtype_name,
                         constexprs.get("D", 0), bool(constexprs.get("CAUSAL", False)), num_warps, num_stages,
                         constexprs=tuple(constexprs.items()))
-    return load_cached(build, cache_dir or default_cache_dir())
+    if cache_dir is None:
+        try:
+            cache_dir = default_cache_dir()
+        except CacheError as exc:
+            warn_once(f"no prebuilt Triton kernels are looked for: {exc}")
+            return None
+    return load_cached(build, cache_dir)
 
 
 def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stages: int, *,

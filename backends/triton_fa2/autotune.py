@@ -17,6 +17,7 @@ import torch
 
 from ...codegen import Source
 from ...runtime import generated
+from ...runtime.cache import write_atomic
 from . import variants
 from .variants import winners_path
 
@@ -94,7 +95,6 @@ def tune(head_dims=(64, 128), seqlen: int = 4096, dtype=torch.bfloat16, progress
 
 def save(doc: dict, cache_dir=None) -> pathlib.Path:
     path = winners_path(doc["arch"], cache_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1))
+    write_atomic(path, json.dumps(doc, indent=1).encode())  # a reader sees the old winners or the new
     variants.clear_tuned()  # the decisions made before hold the old picks: the caller clears them
     return path

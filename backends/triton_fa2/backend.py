@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 
@@ -20,11 +19,13 @@ from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
 from ...dispatch.variant import Variant
 from ...runtime import generated
+from ...runtime.env import triton_interpret
 from . import aot, variants
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET as Triton itself reads it)."""
+    return triton_interpret()
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +135,7 @@ class TritonFA2Backend(Backend):
                             variant, why = self._variant(family, arch, head_dim, dtype, flag)
                             if variant is None:
                                 if strict:
-                                    raise ValueError(f"{self.name} {arch} d={head_dim}: " + "; ".join(why))
+                                    raise ValueError(f"{self.name} {arch}: " + "; ".join(why))  # the reason already says "head_dim N"
                                 continue
                             out.append(variant)
         return out

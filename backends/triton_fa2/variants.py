@@ -189,25 +189,42 @@ def winners_path(arch: str, cache_dir=None) -> pathlib.Path:
 
 @functools.lru_cache(maxsize=None)
 def _tuned(arch: str) -> dict:
-    """Winners `attnforge tune` persisted for this arch ({} when it never ran here)."""
+    """Winners `attnforge tune` persisted for this arch ({} when it never ran here, or the file is not a
+    JSON object: it is data, and a bad one means no winners)."""
     try:
-        return json.loads(winners_path(arch).read_text())
-    except (OSError, ValueError):
+        data = json.loads(winners_path(arch).read_text())
+    except (OSError, ValueError):  # OSError: also a bad ATTNFORGE_CACHE_DIR (runtime.cache.CacheError)
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def clear_tuned() -> None:
     _tuned.cache_clear()
 
 
+def _valid_tile_params(cls, params) -> bool:
+    """Whether ``params`` are exactly the fields of ``cls`` with values its methods can compute with."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if not isinstance(params, dict) or not set(fields) - {"loads"} <= set(params) <= fields:
+        return False
+    for name, value in params.items():
+        if name == "loads":
+            if value not in ("pointer", "descriptor"):
+                return False
+        elif type(value) is not int or value < 1 or (name == "num_warps" and value & (value - 1)):
+            return False
+    return True
+
+
 def tuned_tile(family: str, arch: str, head_dim: int) -> FwdTile | BwdTile | None:
-    params = _tuned(arch).get(family, {}).get(str(head_dim))
-    if not params:
+    """The persisted winner for (family, arch, head_dim), or None (none, or one of another shape: written
+    by another version of this table, or not by `attnforge tune` at all)."""
+    table = _tuned(arch).get(family)
+    params = table.get(str(head_dim)) if isinstance(table, dict) else None
+    cls = FwdTile if family == "fwd" else BwdTile
+    if not _valid_tile_params(cls, params):
         return None
-    try:
-        return (FwdTile if family == "fwd" else BwdTile)(**params)
-    except TypeError:  # written by another version of this table
-        return None
+    return cls(**params)
 
 
 def pick(table: dict, arch: str, head_dim: int, tuned: bool = True,

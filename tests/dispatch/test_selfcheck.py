@@ -1,6 +1,7 @@
 """The self-check on first use: a deliberately broken variant is caught, the call still gets the right
 answer through the fallback, and the Decision and the log say why; verdicts persist per machine."""
 
+import json
 import logging
 
 import pytest
@@ -108,3 +109,100 @@ def test_fp8_variants_are_judged_against_fp8_rounding_of_p(fresh, bias, passes):
     assert selfcheck.costs and selfcheck.costs[-1][0] == selfcheck.key_of(backend, TorchVariant("fake"), problem)
     if not passes:
         assert reasons[0].startswith("self-check failed: relative error"), reasons
+
+
+def raising_sdpa(monkeypatch, exc):
+    """sdpa's forward raising ``exc`` (out of memory, a broken compiler cache: nothing about the kernel's numbers)."""
+    def fail(self, variant, call):
+        raise exc
+    monkeypatch.setattr(type(registered()["sdpa"]), "forward", fail)
+
+
+def test_an_exception_in_the_tiny_problem_disables_for_this_process_only(fresh, monkeypatch, gen):
+    raising_sdpa(monkeypatch, RuntimeError("CUDA out of memory (stand-in)"))
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen) for _ in range(3))
+    out = attnforge.attention(q, k, v)
+    d = attnforge.last_decision()
+    assert d.forward.backend == "reference" and d.fallback
+    (reason,) = d.forward.reasons_of("sdpa")
+    assert reason.startswith("self-check could not run: the tiny problem raised RuntimeError: CUDA out of memory")
+    assert "retried by the next process" in reason
+    assert rel_error(out, oracle(q, k, v)[0]) < 1e-5
+    records = [json.loads(p.read_text()) for p in (fresh / "selfcheck").glob("*.json")]
+    assert not any(key.startswith("sdpa|") for r in records for key in r), records  # nothing persisted
+    monkeypatch.undo()  # the next process, with the trouble gone: checks again and serves with sdpa
+    monkeypatch.setenv("ATTNFORGE_CACHE_DIR", str(fresh))
+    attnforge.dispatch.clear_caches()
+    selfcheck.clear()
+    attnforge.attention(q, k, v)
+    assert attnforge.last_decision().forward.backend == "sdpa"
+    assert [key for key, _ in selfcheck.costs if key.startswith("sdpa|")]
+
+
+def test_verdicts_of_another_software_stack_are_ignored(fresh, monkeypatch, gen):
+    broken_sdpa(monkeypatch)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen) for _ in range(3))
+    attnforge.attention(q, k, v)
+    assert attnforge.last_decision().forward.backend == "reference"
+    (path,) = (fresh / "selfcheck").glob("*.json")
+    record = next(r for key, r in json.loads(path.read_text()).items() if key.startswith("sdpa|"))
+    assert record["versions"] == selfcheck.versions() and record["versions"]["torch"] == torch.__version__
+    assert set(record["versions"]) == {"attnforge", "torch", "triton", "nvidia-cutlass-dsl"}
+    data = json.loads(path.read_text())
+    for r in data.values():
+        r["versions"]["torch"] = "0.0.1"  # reached with another torch
+    path.write_text(json.dumps(data))
+    monkeypatch.undo()
+    monkeypatch.setenv("ATTNFORGE_CACHE_DIR", str(fresh))
+    attnforge.dispatch.clear_caches()
+    selfcheck.clear()
+    attnforge.attention(q, k, v)
+    assert attnforge.last_decision().forward.backend == "sdpa"  # checked anew, and it passes now
+    assert any(key.startswith("sdpa|") for key, _ in selfcheck.costs)
+
+
+@pytest.mark.parametrize("content", ["[]", "null", "42", '"x"', '{"%s": []}', '{"%s": null}', '{"%s": 42}',
+                                     '{"%s": {"ok": "yes", "reasons": []}}', '{"%s": {"ok": false, "reasons": "x"}}',
+                                     '{"%s": {"ok": true}}', '{"%s": {"ok": true, "reasons": [1]}}', "{not json"])
+def test_verdict_files_of_any_shape_never_crash_dispatch(fresh, gen, content):
+    from attnforge.dispatch.device import detect
+    from attnforge.dispatch.problem import Problem
+
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen) for _ in range(3))
+    problem = Problem(1, 2, 2, 20, 20, 16, 16, "fp32", detect(torch.device("cpu")))
+    path = selfcheck._store_path(problem)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = selfcheck.key_of(registered()["sdpa"], registered()["sdpa"].plan(problem)[0], problem)
+    path.write_text(content.replace("%s", key) if "%s" in content else content)
+    out = attnforge.attention(q, k, v)
+    assert rel_error(out, oracle(q, k, v)[0]) < 1e-5
+    assert attnforge.last_decision().forward.backend == "sdpa"
+    assert selfcheck.costs  # the bad record was no verdict: the check ran
+
+
+@pytest.mark.parametrize("value", ["0", "OFF", "False", "0 ", " no", "Off\n"])
+def test_selfcheck_off_in_any_case_and_spacing(fresh, monkeypatch, gen, value):
+    monkeypatch.setenv("ATTNFORGE_SELFCHECK", value)
+    assert not selfcheck.enabled()
+    broken_sdpa(monkeypatch)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen) for _ in range(3))
+    attnforge.attention(q, k, v)
+    assert attnforge.last_decision().forward.backend == "sdpa" and selfcheck.costs == []
+
+
+@pytest.mark.parametrize("value", ["1", "on", "yes", "", "anything"])
+def test_selfcheck_stays_on_otherwise(monkeypatch, value):
+    monkeypatch.setenv("ATTNFORGE_SELFCHECK", value)
+    assert selfcheck.enabled()
+
+
+def test_a_cpu_call_under_a_meta_default_device_works_on_first_use(fresh, gen):
+    """The tiny problem's inputs are made on the call's device, not on torch's ambient default device."""
+    q, k, v = (torch.randn(1, 2, 37, 16, generator=gen) for _ in range(3))
+    with torch.device("meta"):
+        out = attnforge.attention(q, k, v, causal=True)
+    assert out.device.type == "cpu"
+    assert rel_error(out, oracle(q, k, v, causal=True)[0]) < 1e-5
+    d = attnforge.last_decision()
+    assert d.forward.backend == "sdpa" and not d.forward.reasons_of("sdpa")
+    assert any(key.startswith("sdpa|") for key, _ in selfcheck.costs)  # the check ran, and passed

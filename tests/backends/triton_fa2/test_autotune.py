@@ -72,3 +72,33 @@ def test_candidates_are_the_tables_tiles_that_pass_the_check_and_render():
 def test_tune_needs_a_gpu(capsys):
     assert main(["tune"]) == 2
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("doc", [[], None, 42, "x", {"fwd": "x"}, {"fwd": []}, {"fwd": {"128": "x"}},
+                                 {"fwd": {"128": None}}, {"fwd": {"128": [64, 64]}},
+                                 {"fwd": {"128": {"block_m": "64", "block_n": 64, "num_warps": 4, "num_stages": 2}}},
+                                 {"fwd": {"128": {"block_m": 64, "block_n": 64, "num_warps": 0, "num_stages": 2}}},
+                                 {"fwd": {"128": {"block_m": 64, "block_n": 64, "num_warps": 3, "num_stages": 2}}},
+                                 {"fwd": {"128": {"block_m": 64, "block_n": 64, "num_warps": True, "num_stages": 2}}},
+                                 {"fwd": {"128": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2,
+                                                  "loads": "tma"}}},
+                                 {"fwd": {"128": {"block_m": 64.0, "block_n": 64, "num_warps": 4, "num_stages": 2}}}],
+                         ids=repr)
+def test_winners_files_of_any_other_shape_are_ignored(winners, doc):
+    """The winners file is data: valid JSON of another shape, or values the tile cannot compute with
+    (num_warps 0 divides by zero in registers(); an unknown loads has no module name), means no winner."""
+    table_pick, _ = variants.pick(variants.FWD, "sm80", 128, tuned=False)
+    winners("sm80", doc)
+    assert variants.tuned_tile("fwd", "sm80", 128) is None
+    assert variants.pick(variants.FWD, "sm80", 128) == (table_pick, [])
+    assert explain(device="A100", dtype="bf16", head_dim=128, seqlen_q=1024).forward.variant.tile == table_pick
+
+
+def test_saved_winners_are_readable_by_all(winners, tmp_path):
+    import os
+    old = os.umask(0o077)
+    try:
+        path = autotune.save({"arch": "sm80", "fwd": {}, "bwd": {}}, tmp_path)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -1,0 +1,120 @@
+"""Triton build entries are data: an entry whose files do not say what load_cached and run() read (JSON of
+another shape, a missing field, a binary that does not match its digest) is no entry: the build rebuilds
+it with a warning and the launcher goes to the JIT. Binaries are loaded only from a cache folder owned by
+this user (or root) and writable by no one else, and a read-only cache of built kernels still builds."""
+
+import json
+import logging
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from attnforge.runtime import cache, triton_aot  # noqa: E402
+
+KERNEL = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def copy(X, Y, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + i, tl.load(X + i, mask=i < N), mask=i < N)
+'''
+
+
+@pytest.fixture(scope="module")
+def kernel_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kernel") / "copy_kernel.py"
+    path.write_text(KERNEL)
+    return path
+
+
+def build_of(kernel_file):
+    return triton_aot.KernelBuild(str(kernel_file), "copy_kernel", "copy", "sm80", "fp16", 0, False, 4, 1,
+                                  signature=(("X", "*fp16"), ("Y", "*fp16"), ("N", "i32"), ("BLOCK", "constexpr")),
+                                  constexprs=(("BLOCK", 128),), aligned=("X", "Y"))
+
+
+@pytest.fixture
+def built(tmp_path, kernel_file):
+    cache.forget_warnings()
+    build = build_of(kernel_file)
+    meta, now = triton_aot.build_cached(build, tmp_path)
+    assert now
+    return build, tmp_path / meta["key"]
+
+
+def test_a_whole_entry_is_cached_and_loads(built, tmp_path):
+    build, entry = built
+    assert triton_aot.build_cached(build, tmp_path)[1] is False
+    assert triton_aot.load_cached(build, tmp_path) is not None
+    assert entry.stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in entry.iterdir()} == {
+        "kernel.cubin": 0o644, "triton.json": 0o644, "meta.json": 0o644}
+
+
+def _meta(entry):
+    return json.loads((entry / "meta.json").read_text())
+
+
+GARBAGE = {
+    "meta.json is a list": lambda e: (e / "meta.json").write_text("[]"),
+    "meta.json is null": lambda e: (e / "meta.json").write_text("null"),
+    "triton.json is {}": lambda e: (e / "triton.json").write_text("{}"),
+    "triton.json is []": lambda e: (e / "triton.json").write_text("[]"),
+    "no kernel_name": lambda e: (e / "meta.json").write_text(json.dumps({k: v for k, v in _meta(e).items()
+                                                                         if k != "kernel_name"})),
+    "kernel_name not a string": lambda e: (e / "meta.json").write_text(json.dumps({**_meta(e), "kernel_name": 7})),
+    "signature of another shape": lambda e: (e / "meta.json").write_text(json.dumps({**_meta(e), "signature": "x"})),
+    "registers not a number": lambda e: (e / "meta.json").write_text(json.dumps({**_meta(e), "registers": "x"})),
+    "binary outside the entry": lambda e: (e / "meta.json").write_text(json.dumps({**_meta(e),
+                                                                                   "binary": "../../etc/passwd"})),
+    "same-size garbage cubin": lambda e: (e / "kernel.cubin").write_bytes(b"\0" * (e / "kernel.cubin").stat().st_size),
+}
+
+
+@pytest.mark.parametrize("damage", GARBAGE, ids=str)
+def test_a_bad_entry_is_rebuilt_with_a_warning_and_never_loaded(built, tmp_path, caplog, damage):
+    build, entry = built
+    GARBAGE[damage](entry)
+    with caplog.at_level(logging.WARNING, logger="attnforge"):
+        assert triton_aot.load_cached(build, tmp_path) is None  # the launcher then takes the JIT
+        cache.forget_warnings()
+        meta, now = triton_aot.build_cached(build, tmp_path)
+    assert now, "a bad entry was reported cached"
+    assert any(f"ignoring the Triton build entry {entry}" in r.getMessage() for r in caplog.records)
+    assert triton_aot.load_cached(build, tmp_path) is not None and triton_aot.build_cached(build, tmp_path)[1] is False
+
+
+@pytest.mark.parametrize("where", ["root", "entry", "binary"])
+@pytest.mark.parametrize("how", ["group-writable", "world-writable", "foreign owner"])
+def test_binaries_are_not_loaded_from_a_folder_others_can_write(built, tmp_path, caplog, where, how):
+    build, entry = built
+    target = {"root": tmp_path, "entry": entry, "binary": entry / "kernel.cubin"}[where]
+    if how == "foreign owner":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(target, 12345, -1)
+    else:
+        os.chmod(target, target.stat().st_mode | (0o020 if how == "group-writable" else 0o002))
+    with caplog.at_level(logging.WARNING, logger="attnforge"):
+        assert triton_aot.load_cached(build, tmp_path) is None
+    assert any("not loading the prebuilt Triton kernel" in r.getMessage() and str(target) in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_read_only_cache_of_built_kernels_still_builds(built, tmp_path):
+    """Nothing is written (no lock taken) when every entry is there; a missing one is a CacheError that
+    names the path, an OSError, not a raw PermissionError traceback."""
+    build, entry = built
+    (tmp_path / "locks").rename(tmp_path / "locks.old")
+    (tmp_path / "locks").write_text("not a folder: no lock can be taken here")
+    results = triton_aot.run([build], tmp_path, progress=lambda m: None)
+    assert results[0]["key"] == entry.name
+    other = triton_aot.KernelBuild(**{**build.__dict__, "num_warps": 8})
+    with pytest.raises(cache.CacheError, match=str(tmp_path / "locks")) as caught:
+        triton_aot.build_cached(other, tmp_path)
+    assert isinstance(caught.value, OSError)
