@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 
@@ -14,18 +15,38 @@ import torch
 from . import api
 from ._version import __version__
 from .backends.reference import math_attention
-from .dispatch import PROFILES, detect, priority, registered
+from .dispatch import PROFILES, Problem, detect, priority, registered
 from .dispatch.priority import PLANNED_BACKENDS
-from .errors import AttnforgeError
+from .errors import AttnforgeError, InvalidInputError
+
+
+def _check_local_device(name: str | None) -> None:
+    """``--device cuda[:n]`` asks this machine's GPU: say plainly when there is none (torch would assert)."""
+    if name is None or any(name.lower() == p.lower() for p in PROFILES):
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return  # not a torch device: explain() names the profiles
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise InvalidInputError(f"--device {name}: this machine has no GPU torch can use (torch {torch.__version__}); "
+                                f"name a profile to explain another machine: {', '.join(PROFILES)}")
+    if device.index is not None and device.index >= count:
+        raise InvalidInputError(f"--device {name}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
 
 
 def _explain(args) -> int:
+    """Print the decision; exit 1 when nothing can serve the problem (the decision says why)."""
+    _check_local_device(args.device)
     decision = api.explain(device=args.device, dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim_v,
                            seqlen_q=args.seqlen_q, seqlen_k=args.seqlen_k, batch=args.batch, heads=args.heads,
                            kv_heads=args.kv_heads, causal=args.causal, dropout_p=args.dropout_p,
                            needs_grad=args.needs_grad, return_lse=args.return_lse, backend=args.backend)
     print(json.dumps(decision.to_dict(), indent=2) if args.json else decision)
-    return 0
+    return 0 if decision.ok else 1
 
 
 def _version_of(dist: str) -> str:
@@ -41,10 +62,7 @@ def _doctor(args) -> int:
     print(f"python {platform.python_version()}  torch {torch.__version__} ({accel})  triton {_version_of('triton')}  "
           f"nvidia-cutlass-dsl {_version_of('nvidia-cutlass-dsl')}  jinja2 {_version_of('jinja2')}")
     spec = detect()
-    feats = ", ".join(sorted(spec.features)) or "none"
-    cap = f" capability {spec.capability[0]}.{spec.capability[1]}" if spec.capability else ""
-    print(f"local device: {spec.name} ({spec.vendor} {spec.arch}{cap}); multiprocessors {spec.multiprocessors}, "
-          f"shared memory per block {spec.smem_per_block // 1024} KiB, features: {feats}")
+    print(f"local device: {_describe_device(spec)}")
     order = priority(spec)
     print(f"backends, in this device's order ({' > '.join(order)}):")
     built = registered()
@@ -53,14 +71,38 @@ def _doctor(args) -> int:
         if b is None:
             print(f"  {name:<11} not in this build of attnforge")
             continue
-        why = b.available()
-        print(f"  {name:<11} {'available' if not why else 'unavailable: ' + '; '.join(why)}  ({b.summary})")
+        print(f"  {name:<11} {_here(b, spec)}  ({b.summary})")
     absent = [n for n in PLANNED_BACKENDS if n not in built and n not in order]
     if absent:
         print(f"  not in this build, for other devices: {', '.join(absent)}")
     print()
     print(api.explain(dtype="bf16", head_dim=128, seqlen_q=4096, heads=16, causal=True, needs_grad=True))
     return 0
+
+
+def _describe_device(spec) -> str:
+    if spec.vendor == "cpu":  # no multiprocessors or shared memory to speak of
+        return f"{spec.name} (cpu)"
+    feats = ", ".join(sorted(spec.features)) or "none"
+    cap = f" capability {spec.capability[0]}.{spec.capability[1]}" if spec.capability else ""
+    return (f"{spec.name} ({spec.vendor} {spec.arch}{cap}); multiprocessors {spec.multiprocessors}, "
+            f"shared memory per block {spec.smem_per_block // 1024} KiB, features: {feats}")
+
+
+def _here(backend, spec) -> str:
+    """What ``backend`` can do on this machine's device ``spec``: installed is not the same as usable here."""
+    missing = backend.available()
+    if missing:
+        return "unavailable: " + "; ".join(missing)
+    support = backend.support
+    if spec.vendor not in support.vendors or (support.archs is not None and spec.arch not in support.archs):
+        served = sorted(a for a in support.archs if a != "cpu") if support.archs else sorted(support.vendors)
+        return f"installed; serves {', '.join(served)} GPUs, none here"
+    dtype = "bf16" if "bf16" in support.dtypes else sorted(support.dtypes)[0]
+    sample = Problem(batch=1, heads_q=1, heads_kv=1, seqlen_q=128, seqlen_k=128, head_dim=64, head_dim_v=64,
+                     dtype=dtype, device=spec)
+    why = backend.supports(sample)  # e.g. triton_fa2 on a CPU: only in Triton's interpreter
+    return "available here" if not why else "installed; not usable here: " + "; ".join(why)
 
 
 def _rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -122,6 +164,8 @@ def _bench(args) -> int:
     from . import bench
     from .bench import report
 
+    if args.plot:
+        report.check_plotting()  # before a run of minutes, not after it
     if args.replot:
         result = report.read_json(args.replot)
     else:
@@ -204,6 +248,32 @@ def _build_items(args) -> list:
     return list(items)
 
 
+def _why_nothing(args) -> str:
+    """Why no backend planned a kernel for these targets, dtypes and head dims: what each builds instead."""
+    backends = registered()
+    names = list(backends) if args.backend == "all" else [args.backend]
+    asked = f"targets {', '.join(args.target)}, dtypes {', '.join(args.dtype)}" + (
+        f", head dims {', '.join(map(str, args.head_dim))}" if args.head_dim else "")
+    parts, none = [], []
+    for name in names:
+        b = backends[name]
+        archs = [t for t in BUILD_TARGETS if b.variants([t], causal=(False,))]
+        if not archs:
+            none.append(name)
+            continue
+        here = b.variants(args.target, causal=(False,))
+        if not here:
+            parts.append(f"{name} builds for {', '.join(archs)} only")
+            continue
+        dtypes = ", ".join(dict.fromkeys(v.dtype for v in here))
+        dims = ", ".join(map(str, sorted({v.head_dim for v in here})))
+        on = ", ".join(t for t in args.target if t in archs)
+        parts.append(f"{name} builds {dtypes} at head dims {dims} on {on}")
+    if none:
+        parts.append(f"{', '.join(none)} {'has' if len(none) == 1 else 'have'} no ahead-of-time kernels")
+    return f"for {asked}: " + "; ".join(parts)
+
+
 def _build(args) -> int:
     import pathlib
     import time
@@ -212,6 +282,8 @@ def _build(args) -> int:
     from .runtime.cache import default_cache_dir
 
     items = _build_items(args)
+    if not items:
+        print(f"attnforge build: nothing to build: {_why_nothing(args)}", file=sys.stderr)
     if args.list:
         for item in items:
             print(item.name())
@@ -251,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"attnforge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("explain", help="which backend would serve a problem, and why not the others")
+    p = sub.add_parser("explain", help="which backend would serve a problem, and why not the others "
+                                     "(exit status 1 when none can)")
     p.add_argument("--device", default=None, help=f"a profile ({', '.join(PROFILES)}) or a torch device; default: local")
     p.add_argument("--dtype", default="bf16", help="fp16, bf16, fp32, fp64 or fp8 (default bf16)")
     p.add_argument("--head-dim", type=int, default=128)
@@ -323,11 +396,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_stdout() -> None:
+    """After a closed pipe (``attnforge explain --json | head``): point stdout at devnull, so that the
+    interpreter's final flush does not raise again (Python's documented way, see the signal module)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file (captured in tests): nothing will flush to the pipe
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command and return its exit status. An error on purpose (bad input, a cache folder that
+    cannot be used, a file that cannot be read) is its message on stderr and status 2, not a traceback."""
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
-    except (AttnforgeError, ValueError) as exc:
+        status = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 1
+    except (AttnforgeError, ValueError, OSError) as exc:
         print(f"attnforge: error: {exc}", file=sys.stderr)
         return 2
 

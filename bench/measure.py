@@ -43,7 +43,9 @@ def time_ms(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> tuple[
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
-    deciles = statistics.quantiles(samples, n=10)
+    # "inclusive": the deciles lie within the samples. The default ("exclusive") extrapolates past the
+    # fastest and slowest of a few samples, down to a negative p10.
+    deciles = statistics.quantiles(samples, n=10, method="inclusive")
     return statistics.median(samples), deciles[0], deciles[-1]
 
 

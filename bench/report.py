@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from attnforge.errors import AttnforgeError
+
 SCHEMA = "attnforge.bench/1"
 CONFIG_KEYS = ("dtype", "head_dim", "seqlen_q", "seqlen_k", "batch", "heads", "kv_heads", "causal", "mode")
 
@@ -47,27 +49,41 @@ def write_json(report: dict, path: str) -> None:
 
 
 def read_json(path: str) -> dict:
-    with open(path) as f:
-        report = json.load(f)
-    if report.get("schema") != SCHEMA:
-        raise ValueError(f"{path} is not an attnforge bench result (schema {report.get('schema')!r}, want {SCHEMA!r})")
+    """An earlier result written by write_json; an error naming ``path`` if it cannot be read or is not one."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except OSError as exc:
+        raise AttnforgeError(f"cannot read the bench result {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AttnforgeError(f"{path} is not an attnforge bench result (not JSON: {exc})") from None
+    schema = report.get("schema") if isinstance(report, dict) else None
+    if schema != SCHEMA:
+        raise AttnforgeError(f"{path} is not an attnforge bench result (schema {schema!r}, want {SCHEMA!r})")
     return report
+
+
+def check_plotting() -> None:
+    """Raise (with the install line) unless matplotlib is importable."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise AttnforgeError("plotting needs matplotlib: pip install 'attnforge[plot]'") from None
 
 
 def plot(report: dict, path: str) -> None:
     """TFLOP/s against sequence length, one line per implementation, one panel per (dtype, head dim,
     causal, mode). Needs matplotlib (pip install 'attnforge[plot]')."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("plotting needs matplotlib: pip install 'attnforge[plot]'") from None
+    check_plotting()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in report["results"] if r["status"] == "ok"]
     panels = sorted({(r["dtype"], r["head_dim"], r["causal"], r["mode"]) for r in ok})
     if not panels:
-        raise RuntimeError("no successful measurements to plot")
+        raise AttnforgeError("no successful measurements to plot")
     cols = min(4, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 
 import torch
 
@@ -48,13 +49,24 @@ def forced_backend(argument: str | None = None) -> tuple[str | None, str]:
     name = _forced.get()
     if name is not None:
         return name, "forced by use_backend()"
-    name = _env_backend()
-    if name and name != "auto":
-        try:
-            return check_backend_name(name), f"forced by {ENV_VAR}"
-        except UnknownNameError as e:
-            raise UnknownNameError(f"{ENV_VAR}={name!r}: {e}") from None
+    value = _env_backend()
+    if value:
+        return _parse_env_backend(value)
     return None, "auto"
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_env_backend(value: str) -> tuple[str | None, str]:
+    """ATTNFORGE_BACKEND's value: surrounding whitespace is stripped and case is ignored (backend names
+    are lowercase), as for attnforge's other variables; "" and "auto" mean automatic choice.
+    Cached: attention() reads the variable on every call."""
+    name = value.strip().lower()
+    if not name or name == "auto":
+        return None, "auto"
+    try:
+        return check_backend_name(name), f"forced by {ENV_VAR}"
+    except UnknownNameError as e:
+        raise UnknownNameError(f"{ENV_VAR}={value!r}: {e}") from None
 
 
 # attention() reads ATTNFORGE_BACKEND on every call. os.environ.get encodes the key and decodes the value
@@ -66,10 +78,11 @@ _ENV_KEY = ENV_VAR.encode()
 
 
 def _env_backend() -> str:
+    """ATTNFORGE_BACKEND's raw value ("" when unset)."""
     if isinstance(_ENV_BYTES, dict):
         raw = _ENV_BYTES.get(_ENV_KEY)
-        return raw.decode(errors="surrogateescape").strip() if raw else ""
-    return os.environ.get(ENV_VAR, "").strip()
+        return raw.decode(errors="surrogateescape") if raw else ""
+    return os.environ.get(ENV_VAR, "")
 
 
 def _rank(names, verdict_of) -> tuple[str | None, object, tuple[Candidate, ...]]:
@@ -154,11 +167,13 @@ def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> De
     decision = Decision(problem, how, order[0], forward, backward)
     if decision.fallback and name is not None:
         why = "; ".join(forward.reasons_of(order[0])) or "ranked lower"
-        logger.info("attnforge: %s -> %s instead of %s (%s)", problem.describe(), name, order[0], why)
+        # no "attnforge:" prefix: the logger's name says it, and handlers that show the name printed it twice
+        logger.info("%s -> %s instead of %s (%s)", problem.describe(), name, order[0], why)
     return decision
 
 
-_CALL_CACHE: dict[tuple, Decision] = {}
+# call signature -> (generation, Decision): the pair last_decision() keeps, made once per signature
+_CALL_CACHE: dict[tuple, tuple[int, Decision]] = {}
 _CALL_CACHE_LIMIT = 4096
 
 
@@ -170,47 +185,72 @@ def decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend) -> Decisi
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout,
                mask, dropout_p, return_lse, needs_grad, forced, how)
-        decision = _CALL_CACHE.get(key)
+        entry = _CALL_CACHE.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the slow path says what
-        key, decision = None, None
-    if decision is None:
+        key, entry = None, None
+    if entry is None:
         problem = problem_from_tensors(q, k, v, layout=layout, mask=mask, dropout_p=dropout_p,
                                        return_lse=return_lse)
         decision = decide(problem, forced, how)
         if not decision.ok:
             raise BackendUnavailableError(str(decision))
+        entry = _remember(key, decision)
+    # A model's repeated call is this context's last one again: skip the set (~0.1 us, as it also
+    # invalidates the lookup caches of every context variable)
+    if _last.get() is not entry:
+        _last.set(entry)
+    return entry[1]
+
+
+# The call cache is read without a lock (a dict lookup is atomic); the log is written and read under
+# _LOG_LOCK, taken only when a call signature is first seen and by decisions(): a list() of an
+# OrderedDict that another thread inserts into raises RuntimeError.
+_LOG_LOCK = threading.Lock()
+_DISTINCT: collections.OrderedDict = collections.OrderedDict()
+_DISTINCT_LIMIT = 256
+# Per context, as use_backend(): each thread, and each asyncio task, sees the decision of its own last
+# call, kept with the generation its call-cache entry was made in. clear_caches() cannot reach other
+# threads' context variables: it starts a new generation, and an entry of an older one is no one's last
+# decision (after a clear, every call signature makes a new entry).
+_generation = 0
+_last: contextvars.ContextVar[tuple[int, Decision | None]] = contextvars.ContextVar("attnforge_last_decision",
+                                                                                     default=(0, None))
+
+
+def _remember(key, decision: Decision) -> tuple[int, Decision]:
+    """Cache a first-seen call signature's decision, and log the decision (bounded, oldest dropped)."""
+    with _LOG_LOCK:
+        entry = (_generation, decision)
         if key is not None:
             if len(_CALL_CACHE) >= _CALL_CACHE_LIMIT:
                 _CALL_CACHE.clear()
-            _CALL_CACHE[key] = decision
-        _DISTINCT[decision] = None  # first time this signature ran: remember it, bounded
+            _CALL_CACHE[key] = entry
+        _DISTINCT[decision] = None
         while len(_DISTINCT) > _DISTINCT_LIMIT:
             _DISTINCT.popitem(last=False)
-    global _last
-    _last = decision
-    return decision
-
-
-_DISTINCT: collections.OrderedDict = collections.OrderedDict()
-_DISTINCT_LIMIT = 256
-_last: Decision | None = None
+    return entry
 
 
 def last_decision() -> Decision | None:
-    """The Decision of the last attention() call in this process (None before any)."""
-    return _last
+    """The Decision of the last attention() call in this thread, or in this asyncio task (a context
+    variable, as use_backend()); None before any. Another thread's calls never show here."""
+    generation, decision = _last.get()
+    return decision if generation == _generation else None
 
 
 def decisions() -> list[Decision]:
-    """The distinct Decisions attention() calls took in this process, oldest first (the last 256):
-    what ran in a model, and why."""
-    return list(_DISTINCT)
+    """The distinct Decisions attention() calls took in this process, in every thread, oldest first
+    (the last 256): what ran in a model, and why. Safe to call while other threads dispatch."""
+    with _LOG_LOCK:
+        return list(_DISTINCT)
 
 
 def clear_caches() -> None:
-    """Forget every cached decision and the decision log (after registering a backend, or in tests)."""
-    global _last
-    decide.cache_clear()
-    _CALL_CACHE.clear()
-    _DISTINCT.clear()
-    _last = None
+    """Forget every cached decision, the decision log and every thread's last decision (after
+    registering a backend, or in tests)."""
+    global _generation
+    with _LOG_LOCK:
+        decide.cache_clear()
+        _CALL_CACHE.clear()
+        _DISTINCT.clear()
+        _generation += 1

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from attnforge.cli import main
 
@@ -55,3 +56,121 @@ def test_explain_mi300x_chooses_triton_rocm_with_amd_parameters(capsys):
     assert "forward : triton_rocm  [fwd 64x64 w4 s1 pointer waves_per_eu=2 mfma=16]" in out
     assert "backward: triton_rocm  [bwd dkdv 128x32" in out
     assert "fallback" not in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no GPU")
+def test_explain_local_cuda_without_a_gpu_is_a_one_line_error(capsys):
+    assert main(["explain", "--device", "cuda"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("attnforge: error: --device cuda: this machine has no GPU torch can use")
+    assert "H100" in err  # the profiles it could name instead
+
+
+def test_explain_local_cuda_index_past_the_gpus_is_a_one_line_error(capsys):
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert main(["explain", "--device", f"cuda:{count}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"attnforge: error: --device cuda:{count}: this machine has")
+
+
+@pytest.mark.parametrize("json_flag", ([], ["--json"]))
+def test_explain_exits_1_when_nothing_can_serve_and_still_prints_why(capsys, json_flag):
+    assert main(["explain", "--device", "A100", "--dtype", "fp8", *json_flag]) == 1
+    out = capsys.readouterr().out
+    if json_flag:
+        assert json.loads(out)["ok"] is False
+    else:
+        assert "NONE: no backend can serve this" in out and "dtype fp8 is not supported" in out
+
+
+def test_explain_into_a_closed_pipe_is_quiet():
+    """`attnforge explain --json | head`: the reader goes away; no BrokenPipeError traceback (exit 1)."""
+    proc = subprocess.Popen([sys.executable, "-m", "attnforge", "explain", "--json", "--needs-grad"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # closed before the command writes (it imports torch first): its write meets EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 1
+    assert err == "", err
+
+
+def test_doctor_says_what_each_backend_can_do_on_a_cpu(capsys, monkeypatch):
+    """On a CPU-only machine an installed GPU backend is not "available": it serves GPUs that are not here,
+    and the CPU has no multiprocessor count to print."""
+    import attnforge.cli as cli
+    from attnforge.dispatch import profile, registered
+
+    monkeypatch.setattr(cli, "detect", lambda: profile("cpu"))
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    (device_line,) = [line for line in out.splitlines() if line.startswith("local device:")]
+    assert "multiprocessors" not in device_line and "shared memory" not in device_line
+    backends_part = out.split("\n\n")[0]  # the decision printed after it has indented rows too
+    rows = {line.split()[0]: line for line in backends_part.splitlines() if line.startswith("  ")}
+    assert rows["sdpa"].startswith("  sdpa        available here") and "available here" in rows["reference"]
+    for name, arch in (("cute_sm90", "sm90"), ("cute_sm100", "sm100")):
+        missing = registered()[name].available()
+        want = "unavailable: " if missing else f"installed; serves {arch} GPUs, none here"
+        assert want in rows[name], rows[name]
+    if not registered()["triton_fa2"].available():
+        assert "installed; not usable here: runs on the CPU only in Triton's interpreter" in rows["triton_fa2"]
+
+
+def test_build_help_lists_every_target(capsys):
+    from attnforge.cli import BUILD_TARGETS
+
+    with pytest.raises(SystemExit):
+        main(["build", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "gfx90a" in BUILD_TARGETS and ",".join(BUILD_TARGETS) in help_text.replace(", ", ",")
+
+
+@pytest.mark.parametrize(("args", "why"), [
+    (["--target", "sm90", "--dtype", "fp32"],
+     ["for targets sm90, dtypes fp32:", "triton_fa2 builds fp16, bf16 at head dims", "cute_sm90 builds fp16, bf16, fp8",
+      "sdpa, reference have no ahead-of-time kernels"]),
+    (["--target", "sm80", "--dtype", "fp8"],
+     ["for targets sm80, dtypes fp8:", "cute_sm90 builds for sm90 only",
+      "triton_fa2 builds fp16, bf16 at head dims 32, 64, 96, 128, 192, 256 on sm80"]),
+    (["--target", "sm89", "--dtype", "fp8", "--backend", "cute_sm90"], ["cute_sm90 builds for sm90 only"]),
+])
+def test_build_says_why_nothing_was_planned(capsys, args, why):
+    assert main(["build", *args, "--list"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "0 kernels\n"
+    *skipped, last = err.splitlines()  # a backend that cannot build here says so first
+    assert all(line.startswith("attnforge build: skipping ") for line in skipped), err
+    assert last.startswith("attnforge build: nothing to build: ")
+    for part in why:
+        assert part in last, err
+
+
+@pytest.mark.parametrize(("backend", "target", "reason"), [
+    ("cute_sm90", "sm90", "cute_sm90: head_dim 100 has no cute_sm90 kernel (has 64, 128, 256)"),
+    ("cute_sm100", "sm100", "cute_sm100: head_dim 100 has no cute_sm100 kernel (has 64, 128)"),
+    ("triton_fa2", "sm90", "triton_fa2 sm90: head_dim 100 has no triton_fa2 variant (has 32, 64, 96, 128, 192, 256)"),
+])
+def test_build_head_dim_error_says_the_head_dim_once(capsys, backend, target, reason):
+    from attnforge.dispatch import registered
+
+    if registered()[backend].available():
+        pytest.skip(f"{backend} cannot build here: " + "; ".join(registered()[backend].available()))
+    assert main(["build", "--target", target, "--backend", backend, "--head-dim", "100", "--list"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"attnforge: error: {reason}\n"  # not "d=100: head_dim 100 ..."
+
+
+def test_an_unusable_cache_is_a_one_line_error(capsys, monkeypatch, tmp_path):
+    """A cache folder that cannot be written: one line naming the path, status 2, no traceback."""
+    from attnforge.runtime import triton_aot
+
+    path = tmp_path / "cache" / "triton_fa2"
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(triton_aot, "run", refuse)
+    assert main(["build", "--target", "sm80", "--backend", "triton_fa2", "--head-dim", "64", "--dtype", "fp16",
+                 "--out", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"attnforge: error: [Errno 13] Permission denied: '{path}'\n"

@@ -95,7 +95,7 @@ class CuteSm100Backend(Backend):
                 tile, why = variants.pick(head_dim)
                 if tile is None:
                     if strict:
-                        raise ValueError(f"cute_sm100 d={head_dim}: " + "; ".join(why))
+                        raise ValueError("cute_sm100: " + "; ".join(why))  # the reason already says "head_dim N"
                     continue
                 out += [Sm100Variant(tile, head_dim, dtype, flag) for flag in causal]
         return out

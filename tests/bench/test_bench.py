@@ -1,4 +1,8 @@
 import json
+import sys
+
+import pytest
+import torch
 
 from attnforge.bench import QUICK, report
 from attnforge.cli import main
@@ -70,3 +74,49 @@ def test_interleaved_rounds_time_every_runner_once_per_round_in_rotated_order(mo
     times = measure.interleaved_ms(runners, rounds=4)
     assert order == list("abc" "bca" "cab" "abc")
     assert times == {"a": [1.0, 6.0, 8.0, 10.0], "b": [2.0, 4.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 12.0]}
+
+
+def test_cpu_deciles_lie_within_the_samples(monkeypatch):
+    """Five samples, one fast: the default (exclusive) quantiles extrapolate p10 below zero."""
+    from attnforge.bench import measure
+
+    class Clock:  # advances only inside fn, by the next scripted duration
+        now = 0.0
+
+        def perf_counter(self):
+            return self.now
+
+    clock, durations = Clock(), iter([0.001, 0.010, 0.010, 0.010, 0.010])
+
+    def fn():
+        clock.now += next(durations)
+
+    monkeypatch.setattr(measure, "time", clock)
+    median, p10, p90 = measure.time_ms(fn, torch.device("cpu"), warmup_ms=0, rep_ms=0)
+    assert 1.0 <= p10 <= median <= p90 <= 10.0 + 1e-9, (median, p10, p90)
+    assert abs(median - 10.0) < 1e-9
+
+
+def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, tmp_path, capsys):
+    import attnforge.bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.setattr(attnforge.bench, "run", lambda *a, **k: pytest.fail("measured before checking --plot"))
+    assert main(["bench", "--quick", "--plot", str(tmp_path / "r.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == "attnforge: error: plotting needs matplotlib: pip install 'attnforge[plot]'\n"
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (None, "cannot read the bench result {path}: No such file or directory"),
+    ("{not json", "{path} is not an attnforge bench result (not JSON: "),
+    ("[]", "{path} is not an attnforge bench result (schema None, want 'attnforge.bench/1')"),
+    ('{"schema": "other/2"}', "{path} is not an attnforge bench result (schema 'other/2', want 'attnforge.bench/1')"),
+])
+def test_replot_of_an_unreadable_file_is_a_one_line_error(tmp_path, capsys, content, why):
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["bench", "--replot", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnforge: error: " + why.format(path=path)) and err.count("\n") == 1, err

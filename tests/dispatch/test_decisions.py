@@ -147,6 +147,8 @@ def test_decisions_are_cached_and_fallbacks_logged_once(caplog):
     records = [r for r in caplog.records if r.name == "attnforge"]
     assert len(records) == 1
     assert "-> triton_fa2 instead of cute_sm100 (head_dim 256 > 128)" in records[0].getMessage()
+    # the logger's name says attnforge: a format that shows it ("%(name)s: %(message)s") must not say it twice
+    assert not records[0].getMessage().startswith("attnforge")
     assert decide.cache_info().hits >= 3
 
 
@@ -202,3 +204,26 @@ def test_decisions_are_queryable_after_the_fact():
     assert attnforge.decisions() == [first, attnforge.last_decision()]
     attnforge.attention(q, q, q)
     assert attnforge.last_decision() is first and len(attnforge.decisions()) == 2
+
+
+@pytest.mark.parametrize(("value", "forced", "how"), [
+    ("auto", None, "auto"), ("AUTO", None, "auto"), (" Auto ", None, "auto"), ("", None, "auto"), ("  ", None, "auto"),
+    ("reference", "reference", "forced by ATTNFORGE_BACKEND"),
+    (" Reference\n", "reference", "forced by ATTNFORGE_BACKEND"),
+    ("SDPA", "sdpa", "forced by ATTNFORGE_BACKEND"),
+])
+def test_env_backend_ignores_surrounding_whitespace_and_case(monkeypatch, value, forced, how):
+    """ATTNFORGE_BACKEND as attnforge's other variables: stripped, compared case-insensitively."""
+    monkeypatch.setenv("ATTNFORGE_BACKEND", value)
+    d = explain(device="cpu", dtype="fp32", head_dim=64, seqlen_q=64)
+    assert d.how == how and (forced is None or d.forward.backend == forced)
+    import torch
+    q = torch.randn(1, 1, 8, 16)
+    attnforge.attention(q, q, q)
+    assert attnforge.last_decision().how == how
+
+
+def test_env_backend_unknown_name_is_quoted_as_set(monkeypatch):
+    monkeypatch.setenv("ATTNFORGE_BACKEND", " Flash9 ")
+    with pytest.raises(UnknownNameError, match="ATTNFORGE_BACKEND=' Flash9 ': unknown backend 'flash9'"):
+        explain(device="cpu", dtype="fp32", head_dim=64, seqlen_q=64)
