@@ -135,6 +135,12 @@ def detect(device: torch.device | str | int | None = None) -> DeviceSpec:
     if device.type == "cpu":
         return _LOCAL_CPU
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UnknownNameError(f"{device} asked for, but this process has no GPU torch can use; name a profile "
+                                   f"({', '.join(PROFILES)}) to ask about a GPU that is not here")
+        count = torch.cuda.device_count()
+        if device.index is not None and not 0 <= device.index < count:
+            raise UnknownNameError(f"{device} asked for, but this process sees {count} GPU(s)")
         return _detect_gpu(device.index if device.index is not None else torch.cuda.current_device())
     return DeviceSpec(device.type, device.type, device.type, present=True)
 

@@ -126,10 +126,10 @@ def reasons(backend, variant, problem: Problem) -> tuple[str, ...]:
     if lasting and path is not None:
         _write(path, key, why, seconds)
     if why and lasting:
-        logger.warning("attnforge: self-check of %s failed on %s (%s); it is disabled on this machine until the "
+        logger.warning("self-check of %s failed on %s (%s); it is disabled on this machine until the "
                        "check's record in %s is removed", key, problem.device.name, "; ".join(why), path)
     elif why:
-        logger.warning("attnforge: self-check of %s could not run on %s (%s); it is disabled in this process "
+        logger.warning("self-check of %s could not run on %s (%s); it is disabled in this process "
                        "only", key, problem.device.name, "; ".join(why))
     return why
 

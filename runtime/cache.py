@@ -159,7 +159,7 @@ def warn_once(message: str) -> None:
         if message in _warned:
             return
         _warned.add(message)
-    logger.warning("attnforge: %s", message)
+    logger.warning("%s", message)
 
 
 _scratch: list[pathlib.Path] = []
