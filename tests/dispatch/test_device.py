@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import attnforge
 from attnforge import UnknownNameError
 from attnforge.dispatch import PROFILES, detect, profile, resolve
 from attnforge.dispatch.device import amd_features, nvidia_features
@@ -50,3 +51,15 @@ def test_detect_local_cpu():
     spec = detect(torch.device("cpu"))
     assert spec.vendor == "cpu" and spec.arch == "cpu" and spec.present
     assert resolve(None) == detect() and resolve("cpu") == spec
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where torch sees no GPU")
+def test_a_local_cuda_device_without_a_gpu_is_an_error_naming_the_profiles():
+    with pytest.raises(UnknownNameError, match="no GPU torch can use.*H100"):
+        attnforge.explain(device="cuda", dtype="bf16", head_dim=64, seqlen_q=16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_local_cuda_index_past_the_gpus_is_an_error():
+    with pytest.raises(UnknownNameError, match="sees"):
+        attnforge.explain(device=f"cuda:{torch.cuda.device_count()}", dtype="bf16", head_dim=64, seqlen_q=16)
