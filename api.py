@@ -9,9 +9,36 @@ from .dispatch import registry
 from .dispatch.call import Call
 from .dispatch.decision import Decision
 from .dispatch.mask import CAUSAL, NONE, Mask
-from .dispatch.problem import Problem, check_dropout, check_scale, dtype_name, problem_from_tensors
+from .dispatch.problem import (Problem, check_attn_mask, check_causal, check_dropout, check_scale, dtype_name,
+                                problem_from_tensors, validate_tensors)
 from .dispatch.select import decide, decide_call, forced_backend
 from .errors import BackendUnavailableError, InvalidInputError
+
+
+def double_backward_error(backend: str | None) -> BackendUnavailableError:
+    """The error a second-order gradient through a backend whose backward is a kernel raises."""
+    which = f"backend {backend!r}" if backend else "attnforge's backward op (torch.compile)"
+    return BackendUnavailableError(
+        f"second-order gradients (double backward) are not supported through {which}: its backward is a "
+        "kernel run from the saved output and LSE, not torch autograd; where a gradient is differentiated again, "
+        "use backend='sdpa' inside torch.nn.attention.sdpa_kernel(SDPBackend.MATH) (torch autograd through "
+        "SDPA's math kernel; torch's fused SDPA kernels have no second derivative either)")
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Passes first-order gradients through under create_graph=True and refuses to be differentiated: a kernel
+    backward has no backward of its own, and autograd through what the backward happens to run in torch
+    (the reference's ops, FP8's dequantisation) would be silently wrong. Its inputs are the ``count``
+    gradients and then the tensors they depend on, so that a second differentiation reaches it."""
+
+    @staticmethod
+    def forward(ctx, backend, count, *tensors):
+        ctx.backend = backend
+        return tuple(g.clone() for g in tensors[:count])  # (clones: autograd may accumulate into them in place)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise double_backward_error(ctx.backend)
 
 
 class _Attention(torch.autograd.Function):
@@ -34,17 +61,23 @@ class _Attention(torch.autograd.Function):
         if choice is None:
             raise BackendUnavailableError("attention was called with no input requiring grad, so no "
                                           "backward was chosen; set requires_grad before the call")
+        with torch.no_grad():
+            grads = _Attention._gradients(ctx, choice, q, k, v, out, lse, descale, dout)
+        if torch.is_grad_enabled():  # create_graph=True: a second differentiation must raise, not be wrong
+            grads = _NoDoubleBackward.apply(choice.backend, len(grads), *grads, q, k, v, dout)
+        return (*grads, None, None, None)
+
+    @staticmethod
+    def _gradients(ctx, choice, q, k, v, out, lse, descale, dout):
         bwd = registry.get(choice.backend)
         if descale is None:
-            dq, dk, dv = bwd.backward(choice.variant, ctx.call._replace(q=q, k=k, v=v), out, lse, dout)
-            return dq, dk, dv, None, None, None
+            return bwd.backward(choice.variant, ctx.call._replace(q=q, k=k, v=v), out, lse, dout)
         # FP8: the backward runs in bf16 on the dequantised inputs x * descale (see select.FP8_BACKWARD_DTYPE);
         # by the chain rule the gradient with respect to the fp8 tensor is descale * d(dequantised).
         per_head = [d.repeat_interleave(t.shape[1] // d.shape[1], 1)[:, :, None, None] for d, t in zip(descale, (q, k, v))]
         q, k, v = ((t.to(torch.float32) * d).to(out.dtype) for t, d in zip((q, k, v), per_head))
         grads = bwd.backward(choice.variant, ctx.call._replace(q=q, k=k, v=v), out, lse, dout.to(out.dtype))
-        dq, dk, dv = (g.float() * d for g, d in zip(grads, per_head))  # autograd casts them to the inputs' dtype
-        return dq, dk, dv, None, None, None
+        return tuple(g.float() * d for g, d in zip(grads, per_head))  # autograd casts them to the inputs' dtype
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -63,15 +96,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     FP8 (float8_e4m3fn q, k, v): the output is bf16, and ``q_descale``/``k_descale``/``v_descale``
     (fp32, (batch, heads_kv), positive, default 1) dequantise: the result is attention of descale * x.
     """
-    if q_descale is not None or k_descale is not None or v_descale is not None or q.dtype == torch.float8_e4m3fn:
+    # (getattr: q may be anything here; the validation in _run names what is wrong)
+    fp8 = getattr(q, "dtype", None) == torch.float8_e4m3fn
+    if fp8 or q_descale is not None or k_descale is not None or v_descale is not None:
         descales = (q_descale, k_descale, v_descale)
         if torch.compiler.is_compiling():
             raise InvalidInputError("fp8 attention inside torch.compile is not supported yet; call it eagerly")
+        if not fp8 or not isinstance(k, torch.Tensor) or k.dim() != 4:
+            validate_tensors(q, k, v, layout)  # names a q, k or v that is not a tensor first
         descale = _fp8_descale(q, k, descales, layout)
-        return _run(q, k, v, CAUSAL if causal else NONE, scale, dropout_p, layout, return_lse, backend, descale=descale)
+        return _run(q, k, v, _causal_mask(causal), scale, dropout_p, layout, return_lse, backend, descale=descale)
     if torch.compiler.is_compiling():
-        return _traced(q, k, v, causal, scale, dropout_p, layout, return_lse, backend)
-    return _run(q, k, v, CAUSAL if causal else NONE, scale, dropout_p, layout, return_lse, backend)
+        return _traced(q, k, v, check_causal(causal), scale, dropout_p, layout, return_lse, backend)
+    mask = CAUSAL if causal is True else NONE if causal is False else _causal_mask(causal)  # (hot path: inline)
+    return _run(q, k, v, mask, scale, dropout_p, layout, return_lse, backend)
+
+
+def _causal_mask(causal) -> Mask:
+    """The bottom-right causal mask or none; a ``causal`` that is not a bool is refused (check_causal)."""
+    if causal is True:
+        return CAUSAL
+    if causal is False:
+        return NONE
+    return CAUSAL if check_causal(causal) else NONE
 
 
 def _fp8_descale(q, k, descales, layout) -> torch.Tensor:
@@ -98,7 +145,7 @@ def _traced(q, k, v, causal, scale, dropout_p, layout, return_lse, backend):
         raise InvalidInputError("dropout_p > 0 inside torch.compile is not supported yet; call attention() eagerly")
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    out, lse = attention_op(q, k, v, bool(causal), q.shape[-1] ** -0.5 if scale is None else float(scale), backend)
+    out, lse = attention_op(q, k, v, causal, check_scale(scale, q.shape[-1]), backend)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
@@ -129,13 +176,16 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     attention(), ``is_causal`` is aligned top-left as in SDPA; calls the fast kernels cannot take (a
     mask tensor, top-left causal with seqlen_q != seqlen_k) go to a backend that can (``sdpa``), and
     the Decision (attnforge.last_decision()) says why."""
+    is_causal = check_causal(is_causal, "is_causal")
     if attn_mask is not None and is_causal:
         raise InvalidInputError("pass attn_mask or is_causal=True, not both (as torch's SDPA)")
     if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == key.dim() == 4:
         if query.shape[1] != key.shape[1] and not enable_gqa:
             raise InvalidInputError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
                                     "for grouped-query attention (as torch's SDPA)")
-        top_left = bool(is_causal) and query.shape[2] != key.shape[2]
+        if attn_mask is not None:
+            check_attn_mask(attn_mask, query, key)
+        top_left = is_causal and query.shape[2] != key.shape[2]
     else:
         top_left = False  # attention()'s validation will name what is wrong
     if attn_mask is not None:
@@ -167,7 +217,7 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
     if q is not None or k is not None or v is not None:
         if q is None or k is None or v is None:
             raise InvalidInputError("explain() takes q, k and v together, or none of them and plain shapes")
-        problem = problem_from_tensors(q, k, v, spec, layout=layout, mask=CAUSAL if causal else NONE, dropout_p=dropout_p,
+        problem = problem_from_tensors(q, k, v, spec, layout=layout, mask=_causal_mask(causal), dropout_p=dropout_p,
                                        return_lse=return_lse,
                                        needs_grad=needs_grad or q.requires_grad or k.requires_grad or v.requires_grad)
     else:
@@ -177,7 +227,7 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
         problem = Problem(batch=batch, heads_q=heads, heads_kv=heads if kv_heads is None else kv_heads,
                           seqlen_q=seqlen_q, seqlen_k=seqlen_q if seqlen_k is None else seqlen_k,
                           head_dim=head_dim, head_dim_v=head_dim if head_dim_v is None else head_dim_v,
-                          dtype=dtype_name(dtype), device=spec or devices.detect(), mask=CAUSAL if causal else NONE,
+                          dtype=dtype_name(dtype), device=spec or devices.detect(), mask=_causal_mask(causal),
                           dropout=check_dropout(dropout_p) > 0, needs_grad=bool(needs_grad),
                           return_lse=bool(return_lse))
     return decide(problem, *forced_backend(backend))

@@ -87,3 +87,18 @@ def _backward(ctx, dout, _dlse):
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _backward_setup_context(ctx, inputs, output):
+    ctx.backend = inputs[-1]
+
+
+def _double_backward(ctx, *_):
+    from .api import double_backward_error
+
+    raise double_backward_error(ctx.backend)
+
+
+# The backward op's own backward: a second-order gradient through a kernel backward is refused, with the
+# reason, instead of torch's "no autograd formula" (or a silently wrong one).
+attention_backward_op.register_autograd(_double_backward, setup_context=_backward_setup_context)

@@ -100,3 +100,42 @@ def run_interpreter_tests(folder) -> None:
     tail = "\n".join(run.stdout.splitlines()[-40:]) + run.stderr[-2000:]
     assert run.returncode == 0, tail
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], tail
+
+
+def sees(mask, seqlen_q: int, seqlen_k: int, device="cpu") -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool: whether query row i sees key j under ``mask`` (a dispatch.mask.Mask)."""
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    hidden = mask.hidden(rows, cols, seqlen_q, seqlen_k)
+    return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device) if hidden is None else ~hidden
+
+
+def assert_nan_rows(name: str, x: torch.Tensor, ref: torch.Tensor, peer: torch.Tensor, nan_rows: torch.Tensor,
+                    **tolerance) -> None:
+    """x, an output (batch, heads, seqlen_q, d) or an LSE (batch, heads, seqlen_q), is NaN in every element of
+    the rows ``nan_rows`` (bool, broadcast to (batch, heads, seqlen_q)) and nowhere else; elsewhere it matches
+    ``ref`` as assert_close says. The oracle must agree on where the NaN are: a NaN is neither hidden as a
+    masked row (0, LSE -inf) nor spread to rows that do not see it."""
+    want = nan_rows.to(x.device)
+    want = (want[..., None] if x.dim() == 4 else want).expand(x.shape)
+    assert torch.equal(ref.isnan().to(x.device), want), f"{name}: the oracle's NaN are not in the rows expected"
+    got = x.isnan()
+    assert torch.equal(got, want), (f"{name}: {int((got & ~want).sum())} NaN elements where none was expected, "
+                                    f"{int((want & ~got).sum())} expected NaN elements are not NaN")
+    assert_close(name, x[~want], ref.to(x.device)[~want], peer.to(x.device)[~want], **tolerance)
+
+
+def poison(q, k, v, tensor: str, index: int, mask):
+    """Copies of q, k, v (batch, heads, seqlen, d) with NaN in row ``index`` of ``tensor`` ("q", "k" or "v"),
+    batch 0, head 0, and the (batch, heads_q, seqlen_q) bool rows that exact math makes NaN under ``mask``:
+    that query row if it sees any key; for a key or value, the rows of kv head 0's query heads that see it."""
+    q, k, v = (t.detach().clone() for t in (q, k, v))
+    visible = sees(mask, q.shape[2], k.shape[2], q.device)
+    rows = torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device)
+    target = {"q": q, "k": k, "v": v}[tensor]
+    target[0, 0, index] = float("nan")
+    if tensor == "q":
+        rows[0, 0, index] = visible[index].any()
+    else:
+        rows[0, :q.shape[1] // k.shape[1]] = visible[:, index]
+    return q, k, v, rows

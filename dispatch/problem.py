@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import torch
 
@@ -98,7 +99,7 @@ class Problem:
 
 
 def _shape(t: torch.Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+    return _shape_of(t.shape)
 
 
 def validate_tensors(q, k, v, layout: str) -> None:
@@ -155,9 +156,48 @@ def check_dropout(dropout_p) -> float:
 
 
 def check_scale(scale, head_dim: int) -> float:
-    """The softmax scale: ``scale`` if given (a finite number), else 1/sqrt(head_dim)."""
+    """The softmax scale: ``scale`` if given (a finite real number: Python's or a NumPy scalar), else
+    1/sqrt(head_dim). Runs on every call: a float is one type test."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if type(scale) is not float:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):  # (NumPy scalars register as Real)
+            raise InvalidInputError(f"scale must be a finite number or None, got {scale!r}")
+        scale = float(scale)
+    if not math.isfinite(scale):
         raise InvalidInputError(f"scale must be a finite number or None, got {scale!r}")
-    return float(scale)
+    return scale
+
+
+def check_causal(causal, name: str = "causal") -> bool:
+    """``causal`` as a bool: True, False or a NumPy bool; anything else (a string, 1, a tensor) is refused
+    rather than read by its truth value."""
+    if causal is True or causal is False:
+        return causal
+    if type(causal).__module__ == "numpy" and type(causal).__name__ in ("bool_", "bool"):
+        return bool(causal)
+    raise InvalidInputError(f"{name} must be a bool (True or False), got {causal!r} of type {type(causal).__name__}")
+
+
+def check_attn_mask(attn_mask, query: torch.Tensor, key: torch.Tensor) -> None:
+    """Raise InvalidInputError unless ``attn_mask`` is a mask torch's SDPA takes for 4-D query and key: a
+    bool, float32 or query-dtype tensor on query's device, of 2 to 4 dimensions that broadcast to (batch,
+    heads, seqlen_q, seqlen_k)."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise InvalidInputError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise InvalidInputError(f"attn_mask must be a bool tensor or of float32 or query's dtype ({query.dtype}), "
+                                f"got {attn_mask.dtype}")
+    if attn_mask.device != query.device:
+        raise InvalidInputError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
+    target = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    if not 2 <= attn_mask.dim() <= 4:
+        raise InvalidInputError(f"attn_mask must have 2 to 4 dimensions broadcasting to (batch, heads, seqlen_q, "
+                                f"seqlen_k) = {_shape_of(target)}, got shape {_shape(attn_mask)}")
+    if any(m not in (1, t) for m, t in zip(reversed(attn_mask.shape), reversed(target))):
+        raise InvalidInputError(f"attn_mask of shape {_shape(attn_mask)} does not broadcast to (batch, heads, "
+                                f"seqlen_q, seqlen_k) = {_shape_of(target)}")
+
+
+def _shape_of(dims) -> str:
+    return "(" + ", ".join(str(s) for s in dims) + ")"

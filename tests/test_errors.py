@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attnforge import InvalidInputError, UnknownNameError, attention, explain
+from attnforge import InvalidInputError, UnknownNameError, attention, explain, sdpa
 
 
 def qkv(b=1, hq=4, hkv=2, nq=8, nk=8, d=16, dv=None, dtype=torch.float32):
@@ -77,3 +77,63 @@ def test_explain_accepts_torch_dtypes_and_names():
     q, k, v = qkv()
     d = explain(q, k, v, device="H100", causal=True)
     assert d.problem.device.arch == "sm90" and d.problem.heads_q == 4 and d.problem.heads_kv == 2
+
+
+@pytest.mark.parametrize("bad", [None, [[1.0]], 0.5])
+def test_q_that_is_not_a_tensor_is_named(bad):
+    """The FP8 check used to read q.dtype first: an AttributeError instead of the validation's message."""
+    _, k, v = qkv()
+    with pytest.raises(InvalidInputError, match=f"q must be a torch.Tensor, got {type(bad).__name__}"):
+        attention(bad, k, v)
+
+
+@pytest.mark.parametrize("causal", ["yes", 1, None, torch.tensor(True)])
+def test_causal_must_be_a_bool(causal):
+    with pytest.raises(InvalidInputError, match="causal must be a bool"):
+        attention(*qkv(), causal=causal)
+    with pytest.raises(InvalidInputError, match="is_causal must be a bool"):
+        sdpa(*qkv(hkv=4), is_causal=causal)
+    with pytest.raises(InvalidInputError, match="causal must be a bool"):
+        explain(*qkv(), causal=causal)
+
+
+def test_numpy_scalars_are_accepted():
+    import numpy as np
+
+    q, k, v = qkv()
+    want = attention(q, k, v, scale=0.5, causal=True)
+    for scale in (np.float32(0.5), np.float64(0.5), np.float16(0.5)):
+        torch.testing.assert_close(attention(q, k, v, scale=scale, causal=np.bool_(True)), want, rtol=0, atol=0)
+    with pytest.raises(InvalidInputError, match="scale must be a finite number or None"):
+        attention(q, k, v, scale=np.float32("inf"))
+
+
+@pytest.mark.parametrize(("mask", "message"), [
+    (lambda: torch.ones(8, 8, dtype=torch.int64), r"attn_mask must be a bool tensor or of float32 or query's dtype \(torch.float16\), got torch.int64"),
+    (lambda: torch.zeros(8, 8, dtype=torch.float64), r"attn_mask must be a bool tensor .* got torch.float64"),
+    (lambda: torch.ones(8, dtype=torch.bool), r"attn_mask must have 2 to 4 dimensions .* got shape \(8\)"),
+    (lambda: torch.ones(1, 1, 1, 8, 8, dtype=torch.bool), r"attn_mask must have 2 to 4 dimensions"),
+    (lambda: torch.ones(8, 7, dtype=torch.bool), r"attn_mask of shape \(8, 7\) does not broadcast to \(batch, heads, seqlen_q, seqlen_k\) = \(1, 4, 8, 8\)"),
+    (lambda: torch.ones(3, 1, 8, 8, dtype=torch.bool), r"attn_mask of shape \(3, 1, 8, 8\) does not broadcast"),
+    (lambda: torch.ones(8, 8, dtype=torch.bool, device="meta"), r"attn_mask is on meta but query is on cpu"),
+    (lambda: [[True] * 8] * 8, r"attn_mask must be a torch.Tensor or None, got list"),
+])
+def test_bad_sdpa_masks_are_named(mask, message):
+    q, k, v = qkv(hkv=4, dtype=torch.float16)
+    with pytest.raises(InvalidInputError, match=message):
+        sdpa(q, k, v, attn_mask=mask())
+
+
+def test_good_sdpa_masks_are_accepted():
+    q, k, v = qkv(hkv=4, dtype=torch.float16)
+    for mask in (torch.zeros(8, 8), torch.zeros(4, 1, 8, dtype=torch.float16), torch.ones(1, 8, 8, dtype=torch.bool)):
+        torch.testing.assert_close(sdpa(q, k, v, attn_mask=mask),
+                                   torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_fp8_calls_with_a_k_that_is_not_a_tensor_are_named():
+    q = torch.randn(1, 2, 8, 16).to(torch.float8_e4m3fn)
+    with pytest.raises(InvalidInputError, match="k must be a torch.Tensor, got NoneType"):
+        attention(q, None, q)
+    with pytest.raises(InvalidInputError, match="q must be a torch.Tensor, got NoneType"):
+        attention(None, q, q, q_descale=torch.ones(1, 2))

@@ -64,3 +64,21 @@ def test_forced_autograd_native_backend_under_compile_says_why(gen):
     fn = torch.compile(lambda q, k, v: attnforge.attention(q, k, v, backend="sdpa"), fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match="backward runs from the saved output and LSE"):
         fn(q, k, v)
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_double_backward_through_the_op_is_a_clear_error(backend, gen):
+    """The op's backward is a kernel (another op): differentiating the gradient raises attnforge's error
+    naming the remedy (it used to be torch's "no autograd formula"); under torch.compile, torch's AOT
+    autograd refuses double backward itself, saying so."""
+    q, k, v = (t.double() for t in qkv(gen))
+    out, _ = torch.ops.attnforge.attention(q, k, v, True, 0.25, backend)
+    dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(attnforge.BackendUnavailableError, match=r"second-order gradients .*backend='sdpa'"):
+        torch.autograd.grad(dq.sum(), k)
+    fn = torch.compile(lambda q, k, v: attnforge.attention(q, k, v, causal=True, backend=backend), fullgraph=True,
+                       backend="aot_eager")
+    out = fn(q, k, v)
+    dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"double backward"):
+        torch.autograd.grad(dq.sum(), k)

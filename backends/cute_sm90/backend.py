@@ -20,7 +20,7 @@ from ...dispatch.support import Support
 from ...dispatch.variant import Variant
 from ...runtime import cute
 from ..shared.cute_host import LOG2_E, lse_like, stack_missing, tma_ready
-from ..shared.inputs import nonnegative_scale
+from ..shared.inputs import TINY_SCALE, nonnegative_scale
 from . import compile as cc
 from . import tail_split, variants
 from .v_layout import aot_build, prepare_v_fp8
@@ -100,6 +100,20 @@ def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2
     return plan
 
 
+def score_descale(descale: torch.Tensor, scale_log2: float) -> tuple[torch.Tensor, float]:
+    """(descale, scale_log2) for the FP8 kernel, which scales the scores by scale_log2 * q_descale * k_descale
+    (templates/cute_sm90_fwd.py.jinja, consume_tile) after masking them to -inf: a product of 0 (a zero
+    descale or scale) made NaN of every masked score (-inf * 0) and of the first row max. Here the product is
+    taken on the device, into q's row (k's row becomes 1, scale_log2 1), and raised to TINY_SCALE where it is
+    smaller in magnitude: e4m3 scores (|q.k| <= 448^2 * 256 < 2^26) times it are below 2^-74, so P is what
+    the exact 0 gives in fp32 (uniform over the visible keys) and the LSE log(visible keys), exactly as
+    attention of descale * x. A NaN descale stays NaN. No device sync: a few element-wise ops on (batch,
+    heads_kv); the descales the backward dequantises with are not changed."""
+    qk = descale[0] * descale[1] * scale_log2
+    qk = torch.where(qk.abs() < TINY_SCALE, TINY_SCALE, qk)
+    return torch.stack((qk, torch.ones_like(qk), descale[2])), 1.0
+
+
 class CuteSm90Backend(Backend):
     name = "cute_sm90"
     summary = "FA3-style TMA + WGMMA forward in the CuTe DSL (templates/cute_sm90_fwd.py.jinja)"
@@ -150,7 +164,7 @@ class CuteSm90Backend(Backend):
                 tile, why = variants.pick(cc.KIND[dtype], head_dim)
                 if tile is None:
                     if strict:
-                        raise ValueError(f"cute_sm90 d={head_dim}: " + "; ".join(why))
+                        raise ValueError("cute_sm90: " + "; ".join(why))  # the reason already says "head_dim N"
                     continue
                 out += [Sm90Variant(tile, cc.KIND[dtype], head_dim, dtype, flag) for flag in causal]
         return out
@@ -168,6 +182,7 @@ class CuteSm90Backend(Backend):
             descale = call.descale
             if descale is None:
                 descale = torch.ones(3, k.shape[0], k.shape[1], dtype=torch.float32, device=q.device)
+            descale, scale_log2 = score_descale(descale, scale_log2)
             run_kernel(variant.kernel, variant.tile, q, k, prepare_v_fp8(call.v), out, lse, scale_log2,
                        causal=variant.causal, descale=descale)
         else:

@@ -9,6 +9,12 @@ seqlen, d) against k/v broadcast over the group: no copies of k or v.
 Masking is the package's one mask model (dispatch/mask.py): with causal, key j is visible to query i
 iff j <= i + (Nk - Nq) (aligned bottom-right, FlashAttention's), or j <= i with ``top_left``; a query
 row that sees no key gives output 0 and LSE -inf.
+
+Non-finite inputs give what exact math gives: a NaN query row gives a NaN output row and LSE, a NaN key
+makes NaN exactly the rows that see it (its score is masked after the product), and a NaN or infinite
+value reaches only the rows that see it. A hidden value's weight is 0, and 0 * NaN is NaN in a matmul, so
+where some value is not finite (checked once per call) the product runs on the finite values and the
+non-finite ones are put back where a visible key carries them (see _nonfinite_values).
 """
 
 from __future__ import annotations
@@ -41,6 +47,34 @@ def _mask_tile(s: torch.Tensor, start: int, seqlen_q: int, seqlen_k: int, mask: 
     return s if hidden is None else s.masked_fill(hidden, float("-inf"))
 
 
+def _visible(start: int, block_n: int, seqlen_q: int, seqlen_k: int, mask: Mask, device) -> torch.Tensor:
+    """(seqlen_q, keys of the tile) bool: which keys of [start, start + block_n) each query row sees."""
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(start, min(start + block_n, seqlen_k), device=device)[None, :]
+    hidden = mask.hidden(rows, cols, seqlen_q, seqlen_k)
+    return ~hidden if hidden is not None else torch.ones(seqlen_q, cols.shape[1], dtype=torch.bool, device=device)
+
+
+def _has_nonfinite_values(v: torch.Tensor, mask: Mask) -> bool:
+    """Whether the values need _nonfinite_values: only a mask hides keys, and only a non-finite hidden value
+    would leak (0 * NaN). One reduction per call (a device sync off the CPU: the reference is the last resort)."""
+    return mask.by_rule and v.numel() > 0 and not bool(torch.isfinite(v).all())
+
+
+def _nonfinite_values(visible: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Where (rows x value columns) a visible key carries a NaN, a +inf and a -inf value: 0/1 products, which
+    no non-finite number enters, over v (..., keys, dv) and visible (rows, keys)."""
+    vis = visible.to(v.dtype)
+    return tuple((vis @ kind(v).to(v.dtype)) > 0 for kind in (torch.isnan, torch.isposinf, torch.isneginf))
+
+
+def _put_back(out: torch.Tensor, nan: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    """out with the sum of a visible non-finite value where the row is not NaN already: NaN for a NaN or for
+    +inf and -inf together, else the infinity (every visible key's weight is positive in exact math)."""
+    special = torch.where(nan | (pos & neg), float("nan"), torch.where(pos, float("inf"), float("-inf")))
+    return torch.where((nan | pos | neg) & ~out.isnan(), special.to(out.dtype), out)
+
+
 def _key_tile(qg, k, v, start, block_n, scale, mask, acc_t):
     """Key/value tile [start, start + block_n) broadcast over the query group, and its (masked) scores."""
     kb = k[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
@@ -63,18 +97,28 @@ def forward(q, k, v, *, causal: bool = False, scale: float, block_n: int = BLOCK
     m = torch.full(qg.shape[:-1], float("-inf"), dtype=acc_t, device=q.device)
     l = torch.zeros_like(m)
     acc = torch.zeros(*qg.shape[:-1], v.shape[-1], dtype=acc_t, device=q.device)
+    nonfinite = _has_nonfinite_values(v, mask)
+    flags = None
     for start in range(0, seqlen_k, block_n):
         _, vb, s = _key_tile(qg, k, v, start, block_n, scale, mask, acc_t)
-        m_new = torch.maximum(m, s.amax(-1))
+        if nonfinite:
+            visible = _visible(start, block_n, seqlen_q, seqlen_k, mask, q.device)
+            tile_flags = _nonfinite_values(visible, vb)
+            flags = tile_flags if flags is None else tuple(a | b for a, b in zip(flags, tile_flags))
+            vb = torch.where(vb.isfinite(), vb, 0.0)
+        m_new = torch.maximum(m, s.amax(-1))  # (NaN-propagating: a NaN score makes the row NaN)
         m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: avoid inf - inf
         p = torch.exp(s - m_safe[..., None])
         alpha = torch.exp(m - m_safe)
         l = alpha * l + p.sum(-1)
         acc = alpha[..., None] * acc + p @ vb
         m = m_new
-    seen = l > 0
+    # Rows that saw no key: l = 0 -> output 0, LSE -inf. A NaN row has l = NaN and must stay NaN.
+    seen = l != 0
     out = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)
     lse = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
+    if flags is not None:
+        out = _put_back(out, *flags)
     return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
 
 
@@ -110,8 +154,13 @@ def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     """Plain materialised attention (scores, softmax, matmul) in the inputs' dtype: the textbook
     definition with FlashAttention's masking conventions (``causal`` aligns bottom-right; ``mask``, a
     dispatch.mask.Mask, says more). Meant for fp64 checks at small sizes."""
+    mask = as_mask(causal, mask)
     p, lse = math_probabilities(q, k, causal=causal, scale=scale, mask=mask)
-    return p @ v.repeat_interleave(q.shape[1] // k.shape[1], dim=1), lse
+    v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    if not _has_nonfinite_values(v, mask):
+        return p @ v, lse
+    visible = _visible(0, k.shape[2], q.shape[2], k.shape[2], mask, q.device)
+    return _put_back(p @ torch.where(v.isfinite(), v, 0.0), *_nonfinite_values(visible, v)), lse
 
 
 def math_probabilities(q, k, *, causal: bool = False, scale: float | None = None, mask: Mask | None = None):

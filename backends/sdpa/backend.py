@@ -7,6 +7,16 @@ Two things SDPA does differently from FlashAttention are mended here:
   where both alignments agree) and the others are 0, instead of the NaN torch warns its fused
   kernels may give there.
 - It returns no LSE, so it declines ``return_lse``.
+
+And three things where SDPA's answer is wrong on some device:
+- A zero scale (or one that is 0 in fp32) with causal gives NaN rows: shared.inputs.nonnegative_scale
+  folds it into q.
+- Where torch materialises the lower-right causal bias and adds it to the scores (the CPU, and the GPU
+  where no fused kernel takes the call), a NaN key that the bias hides from a row still makes that row
+  NaN (NaN + -inf). Only the last seqlen_q - 1 keys are hidden from any row: NaN keys among them are
+  zeroed and the rows that do see them set to NaN (_lower_right).
+- An attn_mask row that hides every key gives 0 on the CPU but not on the GPU: such rows are set to 0,
+  attention()'s answer for a row that sees no key (_mask_tensor).
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
+from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
 from ...dispatch.problem import DTYPES, Problem
@@ -67,14 +78,54 @@ class SdpaBackend(Backend):
         causal = mask.causal
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]
         kwargs = dict(dropout_p=call.dropout_p, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        if mask.tensor or mask.top_left:  # SDPA's own semantics, as attnforge.sdpa() promises
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=call.attn_mask, is_causal=mask.top_left,
-                                                  **kwargs), None
+        if mask.tensor:  # SDPA's own semantics, as attnforge.sdpa() promises
+            return _mask_tensor(q, k, v, call.attn_mask, kwargs), None
+        if mask.top_left:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs), None
         if not causal or seqlen_q == seqlen_k:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kwargs), None
         if seqlen_q < seqlen_k:
-            bias = causal_lower_right(seqlen_q, seqlen_k)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, **kwargs), None
+            return _lower_right(q, k, v, kwargs), None
         blind = seqlen_q - seqlen_k  # rows that see no key
         out = F.scaled_dot_product_attention(q[:, :, blind:], k, v, is_causal=True, **kwargs)
         return F.pad(out, (0, 0, blind, 0)), None
+
+
+def _mask_tensor(q, k, v, attn_mask, kwargs):
+    """SDPA with an explicit mask, rows that the mask hides every key from set to 0 (on the GPU SDPA gives
+    them a nonzero row). One pass over the mask, which the kernel reads anyway."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+    if attn_mask is None:  # (the self-check's tiny problem carries no mask)
+        return out
+    if attn_mask.dtype == torch.bool:
+        blind = ~attn_mask.any(-1)
+    else:
+        blind = (attn_mask == float("-inf")).all(-1)
+    return out.masked_fill(blind[..., None], 0.0)
+
+
+def _lower_right(q, k, v, kwargs):
+    """Causal with seqlen_q < seqlen_k through SDPA's lower-right bias. Where torch runs it in a fused kernel
+    (masked by index, as its own _dispatch decides) that is all; where it adds the materialised bias to the
+    scores, a hidden NaN key would spread: the keys any row cannot see are the last seqlen_q - 1, so NaN keys
+    among them are zeroed and the rows that see one are set to NaN (O(seqlen_q) work besides one copy of k)."""
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    bias = causal_lower_right(seqlen_q, seqlen_k)
+    if seqlen_q == 1 or _fused_lower_right(q, k, v, kwargs):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, **kwargs)
+    first = seqlen_k - seqlen_q + 1  # keys before it are seen by every row
+    tail = k[:, :, first:]
+    nan_key = tail.isnan().any(-1)  # (batch, heads_kv, seqlen_q - 1): tail key t is seen by rows i > t
+    k = torch.cat((k[:, :, :first], tail.masked_fill(nan_key[..., None], 0.0)), 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, **kwargs)
+    sees_nan = F.pad(nan_key, (1, 0)).cumsum(-1) > 0  # row i: any NaN among tail keys t < i
+    return out.masked_fill(sees_nan.repeat_interleave(q.shape[1] // k.shape[1], 1)[..., None], float("nan"))
+
+
+def _fused_lower_right(q, k, v, kwargs) -> bool:
+    """Whether torch runs the lower-right bias in a flash or memory-efficient kernel (the test
+    torch.nn.attention.bias.CausalBias makes before it falls back to materialising the bias)."""
+    if q.device.type == "cpu":
+        return False
+    params = SDPAParams(q, k, v, None, kwargs["dropout_p"], False, kwargs["enable_gqa"])
+    return can_use_flash_attention(params) or can_use_efficient_attention(params)

@@ -270,3 +270,160 @@ def test_fp8_backward_is_the_bf16_backward_of_the_dequantised_inputs(causal, gen
         rounding = rel_error(want.to(torch.float8_e4m3fn).double(), want)
         assert g.dtype == torch.float8_e4m3fn
         assert rel_error(g.double(), want) <= 2 * rounding + 2 ** -7, (name, rel_error(g.double(), want), rounding)
+
+
+# Non-finite inputs, zero scales and descales, masks that hide a whole row (issue 19, items 2 to 5): the
+# fused GPU kernels against the fp64 oracle. (heads_q, heads_kv, seqlen_q, seqlen_k, causal): causal both
+# ways, so rows that see no key (1023 > 113) and keys hidden from most rows (113 < 1023), and no mask.
+NONFINITE_CASES = [(4, 2, 113, 1023, True), (2, 2, 300, 77, True), (4, 1, 129, 257, False)]
+GPU_BACKENDS = ("cute_sm90", "triton_fa2", "sdpa")
+
+
+def nan_cases():
+    return [pytest.param(b, t, c, id=f"{b}-{t}-" + "x".join(map(str, c)))
+            for b in GPU_BACKENDS for t in ("q", "k") for c in NONFINITE_CASES]
+
+
+@pytest.mark.parametrize("backend,tensor,case", nan_cases())
+def test_a_nan_reaches_exactly_the_rows_that_see_it(backend, tensor, case, gen):
+    """A NaN query row gives a NaN output row; a NaN key NaN in exactly the rows that see it (sdpa's lower-right
+    causal bias used to spread it to every row on the CPU; here torch's fused kernels). Rows that see no key
+    stay 0. (A NaN value reaches the rows of its tile: 0 * NaN in P @ V, in every fused kernel.)"""
+    from attnforge import attention
+    from attnforge.dispatch.mask import CAUSAL, NONE
+    from attnforge.testing import assert_nan_rows, poison, sees
+
+    hq, hkv, nq, nk, causal = case
+    mask = CAUSAL if causal else NONE
+    q, k, v = (torch.randn(1, h, n, 128, generator=gen).to("cuda", torch.bfloat16) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    visible = sees(mask, nq, nk)
+    indices = [nq - 1] if tensor == "q" else sorted({0, int(visible.any(0).nonzero()[-1]), nk - 1})
+    for index in indices:
+        qn, kn, vn, rows = poison(q, k, v, tensor, index, mask)
+        out = attention(qn, kn, vn, causal=causal, backend=backend)
+        ref, _, _ = oracle(qn, kn, vn, causal=causal)
+        peer, _ = peer_error(qn, kn, vn, causal=causal)
+        assert_nan_rows("out", out, ref, peer, rows, ulps=4 * math.sqrt(nk))
+        blind = ~visible.any(-1).to("cuda")
+        assert (out[:, :, blind] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ("cute_sm90", "triton_fa2"))
+@pytest.mark.parametrize("tensor", ("q", "k"))
+def test_a_nan_row_has_a_nan_lse(backend, tensor, gen):
+    """The LSE of a row with a NaN score is NaN, not the -inf of a row that sees no key (triton_fa2 took
+    l > 0 for "saw a key"; cute_sm90's epilogue tests total > 0 the same way, see
+    templates/cute_sm90_fwd.py.jinja, epilogue)."""
+    from attnforge import attention
+    from attnforge.dispatch.mask import CAUSAL
+    from attnforge.testing import assert_nan_rows, poison
+
+    hq, hkv, nq, nk = 4, 2, 113, 1023
+    q, k, v = (torch.randn(1, h, n, 128, generator=gen).to("cuda", torch.bfloat16) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    qn, kn, vn, rows = poison(q, k, v, tensor, nq - 1 if tensor == "q" else nk - 3, CAUSAL)
+    _, lse = attention(qn, kn, vn, causal=True, return_lse=True, backend=backend)
+    _, ref_lse, _ = oracle(qn, kn, vn, causal=True)
+    assert_nan_rows("lse", lse, ref_lse, ref_lse.float(), rows, ulps=4 * math.sqrt(nk))
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.float32, torch.float64), ids=str)
+def test_sdpa_lower_right_causal_keeps_a_nan_key_in_its_rows(dtype, gen):
+    """sdpa with causal and seqlen_q < seqlen_k on the GPU: fp16/fp32 run torch's fused kernels (masked by
+    index), fp64 the materialised bias, which the backend guards against a hidden NaN key."""
+    from attnforge import attention
+    from attnforge.dispatch.mask import CAUSAL
+    from attnforge.testing import assert_nan_rows, poison
+
+    q, k, v = (torch.randn(2, h, n, 64, generator=gen).to("cuda", dtype) for h, n in ((4, 37), (2, 300), (2, 300)))
+    for index in (0, 280, 299):
+        qn, kn, vn, rows = poison(q, k, v, "k", index, CAUSAL)
+        out = attention(qn, kn, vn, causal=True, backend="sdpa")
+        ref, _, _ = oracle(qn, kn, vn, causal=True)
+        peer, _ = peer_error(qn, kn, vn, causal=True)
+        assert_nan_rows("out", out, ref, peer, rows, ulps=4 * math.sqrt(300))
+
+
+@pytest.mark.parametrize("scale", (0.0, 1e-60))
+@pytest.mark.parametrize("backend,dtype", [("cute_sm90", "bf16"), ("cute_sm90", "fp8"), ("triton_fa2", "bf16"),
+                                           ("sdpa", "bf16"), ("sdpa", "fp32")])
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_a_zero_scale_is_the_mean_of_the_visible_values(causal, backend, dtype, scale, gen):
+    """scale=0 (or one that is 0 in fp32): every score 0, the output the mean of the values each row sees. It
+    gave NaN rows with causal through sdpa, and through the CuTe kernels, which scale after masking (-inf * 0)."""
+    from attnforge import attention
+    from attnforge.testing import fp8_peer, rel_error
+
+    b, hq, hkv, nq, nk, d = 1, 4, 2, 113, 1023, 128
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}[dtype]
+    q, k, v = (torch.randn(b, h, n, d, generator=gen).to("cuda").to(torch_dtype) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    out = attention(q, k, v, causal=causal, scale=scale, backend=backend)
+    ref, _, _ = oracle(q.float(), k.float(), v.float(), causal=causal, scale=0.0)
+    assert not out.isnan().any()
+    if dtype == "fp8":
+        inherent = rel_error(fp8_peer(q.float(), k.float(), v.float(), causal=causal, scale=0.0), ref)
+        assert rel_error(out, ref) <= 1.2 * inherent + 2 ** -8, (rel_error(out, ref), inherent)
+    else:
+        peer, _ = peer_error(q, k, v, causal=causal, scale=0.0)
+        assert_close("out", out, ref, peer, ulps=4 * math.sqrt(nk))
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
+@pytest.mark.parametrize("kind", ("bool", "float"))
+def test_sdpa_mask_row_that_hides_every_key_gives_zero(kind, dtype, gen):
+    """attnforge.sdpa with an attn_mask row that hides every key: 0 (the H200's kernels gave a nonzero row,
+    0.367 measured), the rest as fp64 math."""
+    import attnforge
+
+    b, h, nq, nk, d = 2, 4, 77, 301, 64
+    q, k, v = (torch.randn(b, h, n, d, generator=gen).to("cuda", dtype) for n in (nq, nk, nk))
+    keep = torch.rand(b, 1, nq, nk, generator=gen) > 0.5
+    keep[..., 0] = True
+    keep[0, 0, 5], keep[1, 0, 76], keep[1, 0, 0] = False, False, False
+    keep = keep.to("cuda")
+    mask = keep if kind == "bool" else torch.zeros(keep.shape, device="cuda", dtype=dtype).masked_fill(~keep, float("-inf"))
+    out = attnforge.sdpa(q, k, v, attn_mask=mask)
+    blind = ~keep.any(-1).expand(b, h, nq)
+    assert (out[blind] == 0).all() and not out.isnan().any()
+    scores = (q.double() @ k.double().transpose(-1, -2) / d ** 0.5).masked_fill(~keep, float("-inf"))
+    ref = torch.softmax(scores, -1).nan_to_num(0.0) @ v.double()
+    peer = torch.softmax((q @ k.transpose(-1, -2) / d ** 0.5).masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0) @ v
+    assert_close("out", out[~blind], ref[~blind], peer[~blind], ulps=4 * math.sqrt(nk))
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("shape", ((2, 4, 2, 113, 1023), (2, 4, 2, 1023, 113)), ids=lambda s: "x".join(map(str, s)))
+def test_fp8_zero_descales_match_fp64_on_the_dequantised_inputs(shape, causal, gen):
+    """q_descale or k_descale 0 for one (batch, kv head): every score 0, uniform over the visible keys; v_descale
+    0: output 0. The kernel made NaN of them (-inf * 0); the backend now hands it a score scale bounded away
+    from 0 (score_descale). Each (batch, kv head) within FP8's own error, as
+    test_fp8_with_descales_matches_fp64_on_the_dequantised_inputs bounds it."""
+    import attnforge
+    from attnforge.testing import fp8_peer, rel_error
+
+    b, hq, hkv, nq, nk = shape
+    d, group = 128, hq // hkv
+    x = [torch.randn(b, h, n, d, generator=gen).to("cuda") for h, n in ((hq, nq), (hkv, nk), (hkv, nk))]
+    descale = [(t.reshape(b, hkv, -1).abs().amax(-1) / 448).float() for t in x]
+    per_head = [s.repeat_interleave(t.shape[1] // hkv, 1)[:, :, None, None] for s, t in zip(descale, x)]
+    fp8 = [(t / s).to(torch.float8_e4m3fn) for t, s in zip(x, per_head)]
+    descale[0][0, 0], descale[1][0, 1], descale[2][1, 0] = 0.0, 0.0, 0.0  # (1, 1) keeps its descales
+    per_head = [s.repeat_interleave(t.shape[1] // hkv, 1)[:, :, None, None] for s, t in zip(descale, x)]
+    deq = [f.float() * s for f, s in zip(fp8, per_head)]
+    out, lse = attnforge.attention(*fp8, causal=causal, return_lse=True, q_descale=descale[0], k_descale=descale[1],
+                                   v_descale=descale[2], backend="cute_sm90")
+    ref, ref_lse, _ = oracle(*deq, causal=causal)
+    assert not out.isnan().any() and out.isfinite().all() and not lse.isnan().any()
+    assert (out[1, :group] == 0).all()
+    peer = fp8_peer(*deq, causal=causal)
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse[~finite], ref_lse[~finite].float())
+    tile = variants.pick("fp8", d)[0]
+    for bi in range(b):
+        for hi in range(hkv):
+            heads = slice(hi * group, (hi + 1) * group)
+            got, want, inherent = out[bi, heads], ref[bi, heads], rel_error(peer[bi, heads], ref[bi, heads])
+            assert rel_error(got, want) <= 1.2 * inherent + 2 ** -8, (bi, hi, rel_error(got, want), inherent)
+            rows = finite[bi, heads]
+            err = (lse[bi, heads].double() - ref_lse[bi, heads])[rows].abs().max().item() if rows.any() else 0.0
+            bound = fp8_lse_bound(deq[0][bi:bi + 1, heads], deq[1][bi:bi + 1, hi:hi + 1], tile)
+            assert err <= bound, (bi, hi, err, bound)
