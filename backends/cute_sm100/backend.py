@@ -9,7 +9,6 @@ the backward is triton_fa2's, from this forward's LSE.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -17,45 +16,29 @@ from ...codegen import Source
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
-from ...dispatch.variant import Variant
-from ...runtime import cute
-from ..shared.cute_host import LOG2_E, lse_like, stack_missing, tma_ready
+from ..shared.cute_host import LOG2_E, CuteVariant, lse_like, stack_missing, tma_ready
 from ..shared.inputs import nonnegative_scale
 from . import compile as cc
 from . import variants
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm100Variant(Variant):
+class Sm100Variant(CuteVariant):
     """One compiled cute_sm100 forward: a tile for a head dim, compiled for a dtype and causality."""
 
     tile: variants.Sm100FwdTile
     head_dim: int
     dtype: str
     causal: bool
+    compile_module = cc
 
     @property
     def module(self) -> str:
         return self.tile.module(self.head_dim)
 
     @property
-    def name(self) -> str:
-        return f"{self.module}.{self.dtype}.{'causal' if self.causal else 'full'}"
-
-    def describe(self) -> str:
-        return f"fwd {self.tile.describe()}"
-
-    @property
     def source(self) -> Source:
         return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim), self.module)
-
-    @functools.cached_property
-    def build(self) -> cute.CuteBuild:
-        return cc.cute_build(self.source, self.dtype, self.causal)
-
-    @functools.cached_property
-    def kernel(self):
-        return cute.compiled(self.build)
 
 
 class CuteSm100Backend(Backend):

@@ -17,9 +17,7 @@ from ...codegen import Source
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend, Planned, registered
 from ...dispatch.support import Support
-from ...dispatch.variant import Variant
-from ...runtime import cute
-from ..shared.cute_host import LOG2_E, lse_like, stack_missing, tma_ready
+from ..shared.cute_host import LOG2_E, CuteVariant, lse_like, stack_missing, tma_ready
 from ..shared.inputs import TINY_SCALE, nonnegative_scale
 from . import compile as cc
 from . import tail_split, variants
@@ -27,39 +25,24 @@ from .v_layout import aot_build, prepare_v_fp8
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm90Variant(Variant):
+class Sm90Variant(CuteVariant):
     """One compiled cute_sm90 forward: a tile of the table for an input kind and head dim, compiled for a
-    dtype and causality."""
+    dtype and causality (``kernel``: the compiled callable)."""
 
     tile: variants.Sm90FwdTile
     kind: str
     head_dim: int
     dtype: str
     causal: bool
+    compile_module = cc
 
     @property
     def module(self) -> str:
         return self.tile.module(self.head_dim, self.kind)
 
     @property
-    def name(self) -> str:
-        return f"{self.module}.{self.dtype}.{'causal' if self.causal else 'full'}"
-
-    def describe(self) -> str:
-        return f"fwd {self.tile.describe()}"
-
-    @property
     def source(self) -> Source:
         return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind), self.module)
-
-    @functools.cached_property
-    def build(self) -> cute.CuteBuild:
-        return cc.cute_build(self.source, self.dtype, self.causal)
-
-    @functools.cached_property
-    def kernel(self):
-        """The callable compiled kernel (loaded or compiled on first use; then an attribute lookup)."""
-        return cute.compiled(self.build)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,11 +9,38 @@ import importlib.util
 
 import torch
 
+from ...dispatch.variant import Variant
+from ...runtime import cute
 from ...runtime.cute import import_cutlass
 
 DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
 LOG2_E = 1.4426950408889634  # the kernels work in exp2: they take scale * log2(e)
 FACTORY = f"{__name__}:compile_arguments"  # what runtime.cute calls to trace a kernel of these backends
+
+
+class CuteVariant(Variant):
+    """What the CuTe backends' variants share: a frozen dataclass subclass has ``tile``, ``dtype``, ``causal``,
+    ``module`` and ``source`` and names its backend's compile module (``compile_module``, with
+    ``cute_build(source, dtype, causal)``); the compiled kernel is loaded or compiled on first use and is then
+    an attribute lookup (the launch path of every call)."""
+
+    compile_module = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.dtype}.{'causal' if self.causal else 'full'}"
+
+    def describe(self) -> str:
+        return f"fwd {self.tile.describe()}"
+
+    @functools.cached_property
+    def build(self) -> cute.CuteBuild:
+        return self.compile_module.cute_build(self.source, self.dtype, self.causal)
+
+    @functools.cached_property
+    def kernel(self):
+        """The callable compiled kernel."""
+        return cute.compiled(self.build)
 
 
 def stack_missing() -> list[str]:
