@@ -138,11 +138,20 @@ def _outcome(backend, variant, problem: Problem) -> tuple[tuple[str, ...], bool]
     """(reasons, lasting): the check's verdict, and whether it says something about the variant (a pass
     or a numerical disagreement, kept on disk) rather than about this process (an exception)."""
     try:
-        with torch.device(problem.device.torch_device):  # whatever default device the caller set
+        # whatever default device the caller set, and whatever torch SDPA kernels an enclosing sdpa_kernel()
+        # allows: the check judges the variant, not the caller's context
+        with torch.device(problem.device.torch_device), _every_sdpa_kernel():
             return _run(backend, variant, problem), True
     except Exception as exc:  # noqa: BLE001 - out of memory, a broken cache or toolkit: not the variant's verdict
         return (f"self-check could not run: the tiny problem raised {type(exc).__name__}: {str(exc)[:200]}; "
                 f"disabled in this process only, retried by the next process",), False
+
+
+def _every_sdpa_kernel():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.CUDNN_ATTENTION])
 
 
 def _run(backend, variant, problem: Problem) -> tuple[str, ...]:

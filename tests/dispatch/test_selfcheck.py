@@ -206,3 +206,22 @@ def test_a_cpu_call_under_a_meta_default_device_works_on_first_use(fresh, gen):
     d = attnforge.last_decision()
     assert d.forward.backend == "sdpa" and not d.forward.reasons_of("sdpa")
     assert any(key.startswith("sdpa|") for key, _ in selfcheck.costs)  # the check ran, and passed
+
+
+def test_the_check_is_not_bound_by_an_enclosing_sdpa_kernel_context(monkeypatch, tmp_path):
+    """An sdpa_kernel() that allows only a kernel the tiny problem cannot use (cuDNN on the CPU) must not
+    disable sdpa: the check runs with every torch kernel allowed."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attnforge.dispatch import registered, selfcheck
+    from attnforge.dispatch.problem import Problem
+    from attnforge.dispatch.device import detect
+
+    monkeypatch.setenv("ATTNFORGE_CACHE_DIR", str(tmp_path))
+    selfcheck.clear()
+    problem = Problem(batch=1, heads_q=2, heads_kv=1, seqlen_q=5, seqlen_k=7, head_dim=16, head_dim_v=16,
+                      dtype="fp32", device=detect("cpu"))
+    backend = registered()["sdpa"]
+    variant, _ = backend.plan(problem)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        assert selfcheck.reasons(backend, variant, problem) == ()
