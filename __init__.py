@@ -13,8 +13,9 @@ from .backends.reference import math_attention
 from .dispatch import (PROFILES, Decision, DeviceSpec, Problem, decisions, last_decision, profile, registered,
                        use_backend)
 from .errors import AttnforgeError, BackendUnavailableError, InvalidInputError, UnknownNameError
+from .merge import merge_states
 
 __all__ = ["AttnforgeError", "BackendUnavailableError", "Decision", "DeviceSpec", "InvalidInputError",
            "PROFILES", "Problem", "UnknownNameError", "__version__", "attention", "decisions", "explain",
-           "last_decision", "math_attention", "sdpa",
+           "last_decision", "math_attention", "merge_states", "sdpa",
            "profile", "registered", "use_backend"]

@@ -51,32 +51,36 @@ class _Attention(torch.autograd.Function):
         out, lse = registry.get(decision.forward.backend).forward(decision.forward.variant, call)
         ctx.save_for_backward(q, k, v, out, lse, descale)
         ctx.decision, ctx.call = decision, call._replace(q=None, k=None, v=None, descale=None)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        ctx.set_materialize_grads(False)  # an unused LSE (the usual call) gives dlse None, not a tensor of zeros
+        return out, lse  # the LSE is differentiable: context-parallel merges and cascades differentiate through it
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, descale = ctx.saved_tensors
         choice = ctx.decision.backward
         if choice is None:
             raise BackendUnavailableError("attention was called with no input requiring grad, so no "
                                           "backward was chosen; set requires_grad before the call")
+        if dout is None:  # only the LSE was used
+            dout = torch.zeros_like(out)
         with torch.no_grad():
-            grads = _Attention._gradients(ctx, choice, q, k, v, out, lse, descale, dout)
+            grads = _Attention._gradients(ctx, choice, q, k, v, out, lse, descale, dout, dlse)
         if torch.is_grad_enabled():  # create_graph=True: a second differentiation must raise, not be wrong
-            grads = _NoDoubleBackward.apply(choice.backend, len(grads), *grads, q, k, v, dout)
+            seeds = (dout,) if dlse is None else (dout, dlse)
+            grads = _NoDoubleBackward.apply(choice.backend, len(grads), *grads, q, k, v, *seeds)
         return (*grads, None, None, None)
 
     @staticmethod
-    def _gradients(ctx, choice, q, k, v, out, lse, descale, dout):
+    def _gradients(ctx, choice, q, k, v, out, lse, descale, dout, dlse):
         bwd = registry.get(choice.backend)
         if descale is None:
-            return bwd.backward(choice.variant, ctx.call._replace(q=q, k=k, v=v), out, lse, dout)
+            return bwd.backward(choice.variant, ctx.call._replace(q=q, k=k, v=v), out, lse, dout, dlse)
         # FP8: the backward runs in bf16 on the dequantised inputs x * descale (see select.FP8_BACKWARD_DTYPE);
         # by the chain rule the gradient with respect to the fp8 tensor is descale * d(dequantised).
         per_head = [d.repeat_interleave(t.shape[1] // d.shape[1], 1)[:, :, None, None] for d, t in zip(descale, (q, k, v))]
         q, k, v = ((t.to(torch.float32) * d).to(out.dtype) for t, d in zip((q, k, v), per_head))
-        grads = bwd.backward(choice.variant, ctx.call._replace(q=q, k=k, v=v), out, lse, dout.to(out.dtype))
+        # dlse folds into delta as without FP8: the LSE is of the dequantised scores, which this backward recomputes
+        grads = bwd.backward(choice.variant, ctx.call._replace(q=q, k=k, v=v), out, lse, dout.to(out.dtype), dlse)
         return tuple(g.float() * d for g, d in zip(grads, per_head))  # autograd casts them to the inputs' dtype
 
 
@@ -92,7 +96,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     1/sqrt(head_dim). With ``causal``, query i sees key j iff j <= i + seqlen_k - seqlen_q
     (bottom-right, as FlashAttention); a row that sees no key gives 0. Returns the output in q's
     dtype and layout, and with ``return_lse`` also the natural-log LSE (batch, heads_q, seqlen_q)
-    in fp32 (-inf for rows that see no key). ``backend`` forces one backend (see use_backend).
+    in fp32 (fp64 for fp64 inputs; -inf for rows that see no key), differentiable. ``backend`` forces one backend (see use_backend).
     FP8 (float8_e4m3fn q, k, v): the output is bf16, and ``q_descale``/``k_descale``/``v_descale``
     (fp32, (batch, heads_kv), positive, default 1) dequantise: the result is attention of descale * x.
     """
@@ -172,10 +176,20 @@ def _run(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, des
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False):
     """torch.nn.functional.scaled_dot_product_attention's signature and meaning, dispatched by
-    attnforge: switch with one import. Inputs are (batch, heads, seqlen, head_dim). Unlike
-    attention(), ``is_causal`` is aligned top-left as in SDPA; calls the fast kernels cannot take (a
-    mask tensor, top-left causal with seqlen_q != seqlen_k) go to a backend that can (``sdpa``), and
-    the Decision (attnforge.last_decision()) says why."""
+    attnforge: switch with one import. Inputs are (..., heads, seqlen, head_dim) as in torch: 4-D is
+    (batch, heads, seqlen, head_dim); more leading dims are flattened into the batch (they must be
+    equal in query, key and value); a 3-D (N, L, E) or 2-D (L, E) input runs with its leading dim as
+    the heads (the dim enable_gqa groups, as torch). Unlike attention(), ``is_causal`` is aligned
+    top-left as in SDPA; calls the fast kernels cannot take (a mask tensor, top-left causal with
+    seqlen_q != seqlen_k) go to a backend that can (``sdpa``), and the Decision
+    (attnforge.last_decision()) says why. Where torch's SDPA runs, it runs under the caller's
+    ``torch.nn.attention.sdpa_kernel(...)`` restriction; that restriction is about torch's kernels and
+    does not stop attnforge's own (force torch's with ``attnforge.use_backend("sdpa")``)."""
+    lead = _leading_dims(query, key, value)
+    if lead is not None:  # not 4-D: run as (batch, heads, seqlen, head_dim), give back torch's shape
+        query, key, value, attn_mask = _as_bhsd(query, key, value, attn_mask)
+        out = sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return out.reshape(*lead, *out.shape[-2:])
     is_causal = check_causal(is_causal, "is_causal")
     if attn_mask is not None and is_causal:
         raise InvalidInputError("pass attn_mask or is_causal=True, not both (as torch's SDPA)")
@@ -195,6 +209,45 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     else:
         mask = CAUSAL if is_causal else NONE
     return _run(query, key, value, mask, scale, dropout_p, "bhsd", False, None, attn_mask=attn_mask)
+
+
+def _leading_dims(query, key, value) -> tuple[int, ...] | None:
+    """query's dims before (seqlen, head_dim) where sdpa() must reshape (not 4-D tensors), else None."""
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or query.dim() == key.dim() == value.dim() == 4:
+        return None  # (attention()'s validation names what is not a tensor)
+    dims = [t.dim() for t in tensors]
+    if len(set(dims)) != 1 or dims[0] < 2:
+        raise InvalidInputError(f"query, key and value must have the same number of dimensions, at least 2 "
+                                f"((..., seqlen, head_dim) as torch's SDPA), got {dims[0]}, {dims[1]} and {dims[2]}")
+    if dims[0] > 4 and not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+        raise InvalidInputError(f"query, key and value must have the same batch dims, got {tuple(query.shape[:-3])}, "
+                                f"{tuple(key.shape[:-3])} and {tuple(value.shape[:-3])} (expand them to broadcast)")
+    return tuple(query.shape[:-2])
+
+
+def _as_bhsd(query, key, value, attn_mask):
+    """The 4-D views of sdpa()'s 2-D, 3-D or 5-D+ inputs: leading 1s prepended, or the dims before heads
+    flattened into one batch; attn_mask (broadcasting to (..., seqlen_q, seqlen_k)) to match."""
+    rank, query_batch = query.dim(), query.shape[:-3]
+    query, key, value = (t.reshape(-1, *t.shape[-3:]) if rank > 4 else t.reshape((1,) * (4 - rank) + t.shape)
+                         for t in (query, key, value))
+    if not isinstance(attn_mask, torch.Tensor):
+        return query, key, value, attn_mask  # (None, or something check_attn_mask names)
+    if attn_mask.dim() > rank:
+        raise InvalidInputError(f"attn_mask of shape {tuple(attn_mask.shape)} has more dims than query "
+                                f"({rank}): it must broadcast to (..., seqlen_q, seqlen_k)")
+    mask = attn_mask.reshape((1,) * (max(rank, 4) - attn_mask.dim()) + attn_mask.shape)
+    if rank > 4:
+        batch = mask.shape[:-3]
+        if all(n == 1 for n in batch):
+            mask = mask.reshape(1, *mask.shape[-3:])  # broadcasts over the flattened batch as it did
+        elif any(m not in (1, n) for m, n in zip(batch, query_batch)):
+            raise InvalidInputError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to query's "
+                                    f"batch dims {tuple(query_batch)}")
+        else:  # one flattened batch: the mask's batch dims expanded to query's (a copy only where they differ)
+            mask = mask.expand(*query_batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
+    return query, key, value, mask
 
 
 _TENSOR_MASK = Mask(tensor=True)

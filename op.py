@@ -50,27 +50,35 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     """(out, lse) for (batch, heads, seqlen, dim) inputs."""
     b, fwd, _ = _plan(q, k, v, causal, backend)
     out, lse = b.forward(fwd, Call(q, k, v, scale, CAUSAL if causal else NONE))
-    return out.contiguous(), lse.float().contiguous()
+    return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs as eager attention() gives it (an fp32 LSE would make fp64 gradients fp32-exact)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 @attention_op.register_fake
 def _(q, k, v, causal, scale, backend):
-    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # exactly what the real op returns: contiguous out in q's dtype and contiguous LSE (new_empty is contiguous)
+    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("attnforge::attention_backward", mutates_args=())
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, causal: bool, scale: float,
+                          lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool, scale: float,
                           backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the forward op's output and LSE, by the backend that ran the forward."""
+    """(dq, dk, dv) from the forward op's output and LSE, by the backend that ran the forward; ``dlse``, the
+    LSE's gradient (None where the LSE is not used), folds into the backward's delta."""
     b, _, bwd = _plan(q, k, v, causal, backend)
-    grads = b.backward(bwd, Call(q, k, v, scale, CAUSAL if causal else NONE), out, lse, dout)
+    grads = b.backward(bwd, Call(q, k, v, scale, CAUSAL if causal else NONE), out, lse, dout, dlse)
     return tuple(g.contiguous() for g in grads)
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, causal, scale, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(dout, q, k, v, out, lse, dlse, causal, scale, backend):
+    # contiguous, as the real op returns them (empty_like would copy the inputs' strides: bshd, transposed views)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -80,9 +88,12 @@ def _setup_context(ctx, inputs, output):
     ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend)
+    dout = torch.zeros_like(out) if dout is None else dout
+    dlse = None if dlse is None else dlse.to(lse.dtype).contiguous()
+    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, dlse, ctx.causal, ctx.scale,
+                                       ctx.backend)
     return dq, dk, dv, None, None, None
 
 

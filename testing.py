@@ -19,20 +19,29 @@ def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / norm if norm else diff
 
 
-def oracle(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None, dout: torch.Tensor | None = None):
-    """fp64 math on the given (already rounded) inputs: (out, lse) and, with ``dout``, (dq, dk, dv)."""
+def oracle(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None, dout: torch.Tensor | None = None,
+           dlse: torch.Tensor | None = None):
+    """fp64 math on the given (already rounded) inputs: (out, lse) and, with ``dout``, (dq, dk, dv) (with
+    ``dlse`` too, the gradients of both outputs)."""
     q64, k64, v64 = (t.detach().double().requires_grad_(dout is not None) for t in (q, k, v))
     out, lse = math_attention(q64, k64, v64, causal=causal, mask=mask, scale=scale)
-    grads = torch.autograd.grad(out, (q64, k64, v64), dout.double()) if dout is not None else None
+    grads = None if dout is None else _grads(out, lse, (q64, k64, v64), dout.double(), dlse)
     return out.detach(), lse.detach(), grads
 
 
-def peer_error(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None, dout: torch.Tensor | None = None):
+def _grads(out, lse, inputs, dout, dlse):
+    if dlse is None:
+        return torch.autograd.grad(out, inputs, dout)
+    return torch.autograd.grad((out, lse), inputs, (dout, dlse.to(lse.dtype)))
+
+
+def peer_error(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None, dout: torch.Tensor | None = None,
+               dlse: torch.Tensor | None = None):
     """PyTorch's own materialised attention in the inputs' dtype: (out, grads) to measure that
-    dtype's inherent error against the oracle."""
+    dtype's inherent error against the oracle (``dlse``: the LSE's gradient as well)."""
     qs, ks, vs = (t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v))
-    out, _ = math_attention(qs, ks, vs, causal=causal, mask=mask, scale=scale)
-    grads = torch.autograd.grad(out, (qs, ks, vs), dout) if dout is not None else None
+    out, lse = math_attention(qs, ks, vs, causal=causal, mask=mask, scale=scale)
+    grads = None if dout is None else _grads(out, lse, (qs, ks, vs), dout, dlse)
     return out.detach(), grads
 
 

@@ -12,6 +12,10 @@ from ..errors import UnknownNameError
 
 FEATURES = ("tma", "wgmma", "tcgen05", "fp8", "mfma")
 
+# The vendor of a device attnforge has no kernels for (mps, xpu, meta, ...): torch's SDPA serves it, and
+# the spec's arch is the torch device type.
+TORCH_ONLY = "torch"
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
@@ -22,7 +26,7 @@ class DeviceSpec:
     ``present`` says whether the spec was read from a device of this process (True) or is a profile.
     """
 
-    vendor: str  # "nvidia", "amd" or "cpu"
+    vendor: str  # "nvidia", "amd", "cpu" or TORCH_ONLY
     arch: str
     name: str
     capability: tuple[int, int] | None = None
@@ -36,6 +40,8 @@ class DeviceSpec:
     def torch_device(self) -> torch.device:
         if self.vendor == "cpu":
             return torch.device("cpu")
+        if self.vendor == TORCH_ONLY:
+            return torch.device(self.arch, self.index)
         return torch.device("cuda", self.index or 0)  # ROCm builds of torch call HIP devices "cuda"
 
     def has(self, feature: str) -> bool:
@@ -142,7 +148,8 @@ def detect(device: torch.device | str | int | None = None) -> DeviceSpec:
         if device.index is not None and not 0 <= device.index < count:
             raise UnknownNameError(f"{device} asked for, but this process sees {count} GPU(s)")
         return _detect_gpu(device.index if device.index is not None else torch.cuda.current_device())
-    return DeviceSpec(device.type, device.type, device.type, present=True)
+    # meta tensors hold no data: nothing there to self-check or to ask torch about, so not "present"
+    return DeviceSpec(TORCH_ONLY, device.type, device.type, present=device.type != "meta", index=device.index)
 
 
 def resolve(device: DeviceSpec | torch.device | str | int | None) -> DeviceSpec:

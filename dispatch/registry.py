@@ -80,8 +80,10 @@ class Backend:
         natural-log LSE (batch, heads_q, seqlen_q) in fp32, or None if it gives none."""
         raise NotImplementedError
 
-    def backward(self, variant: Variant, call: Call, out, lse, dout):
-        """(dq, dk, dv) of ``call`` from the forward's output and LSE, by the backward ``variant``."""
+    def backward(self, variant: Variant, call: Call, out, lse, dout, dlse=None):
+        """(dq, dk, dv) of ``call`` from the forward's output and LSE, by the backward ``variant``. ``dlse``
+        (batch, heads_q, seqlen_q), the LSE's gradient, or None where the LSE is not used: dLSE/dS = P, so it
+        folds into delta (dS = P * (dP - (delta - dlse))); rows with LSE -inf have P = 0 and take none."""
         raise NotImplementedError(f"{self.name} has no backward")
 
 

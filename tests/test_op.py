@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import attnforge
+from attnforge.backends.reference import math_attention
 from attnforge.testing import assert_close, oracle, peer_error
 
 
@@ -18,8 +19,9 @@ def test_opcheck(causal, backend, gen):
     q, k, v = qkv(gen)
     torch.library.opcheck(torch.ops.attnforge.attention.default, (q, k, v, causal, 0.25, backend))
     dout, out, lse = torch.randn(2, 4, 17, 16, generator=gen), torch.randn(2, 4, 17, 16, generator=gen), torch.randn(2, 4, 17, generator=gen)
-    torch.library.opcheck(torch.ops.attnforge.attention_backward.default,
-                          (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, 0.25, backend))
+    for dlse in (None, torch.randn(2, 4, 17, generator=gen)):
+        torch.library.opcheck(torch.ops.attnforge.attention_backward.default,
+                              (dout, q.detach(), k.detach(), v.detach(), out, lse, dlse, causal, 0.25, backend))
 
 
 class Block(torch.nn.Module):
@@ -82,3 +84,68 @@ def test_double_backward_through_the_op_is_a_clear_error(backend, gen):
     dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match=r"double backward"):
         torch.autograd.grad(dq.sum(), k)
+
+
+def layouts(gen, layout):
+    """q, k, v in (batch, heads, seqlen, dim) order whose storage is not: "bshd" (attention's layout="bshd"
+    view) or "view_transpose" (the ``x.view(b, s, h, d).transpose(1, 2)`` every Hugging Face model passes,
+    here with q from a wider projection so its strides are not dense either)."""
+    if layout == "bshd":
+        return [t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv(gen, requires_grad=False)]
+    q = torch.randn(2, 17, 4 * 16 + 8, generator=gen)[..., :64].view(2, 17, 4, 16).transpose(1, 2)
+    k, v = (torch.randn(2, 17, 2 * 16, generator=gen).view(2, 17, 2, 16).transpose(1, 2) for _ in range(2))
+    return [q, k, v]
+
+
+@pytest.mark.parametrize("layout", ["bshd", "view_transpose"])
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_opcheck_on_non_contiguous_inputs(layout, backend, gen):
+    """The fakes give the real ops' strides and dtypes: the backward's fake used to be empty_like(q) (q's
+    strides) while the op returns contiguous gradients, which inductor's stride assertion caught."""
+    q, k, v = (t.requires_grad_() for t in layouts(gen, layout))
+    assert not q.is_contiguous()
+    torch.library.opcheck(torch.ops.attnforge.attention.default, (q, k, v, True, 0.25, backend))
+    out, lse = torch.ops.attnforge.attention(q.detach(), k.detach(), v.detach(), True, 0.25, backend)
+    dout, dlse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    for d in (dlse, None):
+        torch.library.opcheck(torch.ops.attnforge.attention_backward.default,
+                              (dout, q.detach(), k.detach(), v.detach(), out, lse, d, True, 0.25, backend))
+
+
+@pytest.mark.parametrize("layout", ["bshd", "view_transpose"])
+def test_fakes_match_the_real_ops_strides_and_dtypes(layout, gen):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = layouts(gen, layout)
+    real = torch.ops.attnforge.attention(q, k, v, False, 0.25, None)
+    dout = torch.randn(real[0].shape, generator=gen).transpose(1, 2).contiguous().transpose(1, 2)
+    real_grads = torch.ops.attnforge.attention_backward(dout, q, k, v, *real, None, False, 0.25, None)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fk, fv, fdout = (mode.from_tensor(t) for t in (q, k, v, dout))
+        fake = torch.ops.attnforge.attention(fq, fk, fv, False, 0.25, None)
+        fake_grads = torch.ops.attnforge.attention_backward(fdout, fq, fk, fv, *fake, None, False, 0.25, None)
+    for f, r in zip((*fake, *fake_grads), (*real, *real_grads)):
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_lse_is_differentiable_through_the_op(backend, gen):
+    """gradcheck through out and lse together: the LSE term used to be dropped (dlse ignored)."""
+    q, k, v = (t.double().requires_grad_() for t in (x[:1, :, :7, :8] for x in qkv(gen, requires_grad=False)))
+
+    w_out, w_lse = torch.randn(1, 4, 7, 8, generator=gen).double(), torch.randn(1, 4, 7, generator=gen).double()
+
+    def f(q, k, v):  # one output that needs both terms (gradcheck skips an output that needs no grad)
+        out, lse = torch.ops.attnforge.attention(q, k, v, True, 0.3, backend)
+        return (out * w_out).sum() + (lse * w_lse).sum()
+
+    torch.autograd.gradcheck(f, (q, k, v))
+    fn = torch.compile(lambda q, k, v: attnforge.attention(q, k, v, causal=True, return_lse=True, backend=backend),
+                       fullgraph=True, backend="aot_eager")
+    out, lse = fn(q, k, v)
+    grads = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))
+    q64, k64, v64 = (t.detach().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = math_attention(q64, k64, v64, causal=True)
+    want = torch.autograd.grad(ref_out.sum() + ref_lse.sum(), (q64, k64, v64))
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10)

@@ -78,3 +78,104 @@ def test_a_forced_backend_that_cannot_take_the_mask_says_so():
     with attnforge.use_backend("reference"):
         with pytest.raises(attnforge.BackendUnavailableError, match="an attn_mask tensor is not supported"):
             attnforge.sdpa(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+
+
+SHAPES = [  # (query, key, value) shapes in torch's (..., seqlen, head_dim), enable_gqa
+    (((3, 13, 8), (3, 21, 8), (3, 21, 6)), False),  # 3-D: (N, L, E)
+    (((4, 13, 8), (2, 21, 8), (2, 21, 6)), True),  # 3-D with enable_gqa: torch groups the leading dim
+    (((13, 8), (21, 8), (21, 6)), False),  # 2-D: (L, E)
+    (((2, 3, 4, 13, 8), (2, 3, 2, 21, 8), (2, 3, 2, 21, 6)), True),  # 5-D
+    (((2, 1, 3, 2, 13, 8), (2, 1, 3, 2, 21, 8), (2, 1, 3, 2, 21, 6)), False),  # 6-D
+]
+MASKS = {"none": None, "bool-2d": (13, 21), "bool-full": "full", "bool-lead": "lead"}
+
+
+def sdpa_mask(kind, q_shape, gen):
+    if kind == "none":
+        return None
+    shape = {"bool-2d": (13, 21), "bool-full": (*q_shape[:-2], 13, 21),
+             "bool-lead": (q_shape[0], *(1,) * (len(q_shape) - 3), 13, 21) if len(q_shape) > 2 else (13, 21)}[kind]
+    return torch.rand(*shape, generator=gen) > 0.3
+
+
+@pytest.mark.parametrize("shapes, gqa", SHAPES, ids=lambda s: "x".join(map(str, s[0])) if isinstance(s, tuple) else str(s))
+@pytest.mark.parametrize("causal, kind", [(False, "none"), (True, "none"), (False, "bool-2d"), (False, "bool-full"),
+                                          (False, "bool-lead")])
+def test_any_number_of_leading_dims_as_torch(shapes, gqa, causal, kind, gen):
+    """torch's SDPA takes (..., seqlen, head_dim): attnforge.sdpa gives its result and gradients, in its shape."""
+    q, k, v = (rand(gen, *s, dtype=torch.float64) for s in shapes)
+    mask = sdpa_mask(kind, q.shape, gen)
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnforge.sdpa(*ours, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    theirs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*theirs, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref)
+    dout = rand(gen, *out.shape, dtype=torch.float64)
+    for name, g, r in zip("qkv", torch.autograd.grad(out, ours, dout), torch.autograd.grad(ref, theirs, dout)):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g, r, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("shapes, words", [
+    (((2, 3, 4, 5, 8), (2, 3, 4, 7, 8), (2, 4, 7, 8)), "same number of dimensions"),
+    (((8,), (8,), (8,)), "at least 2"),
+    (((2, 3, 4, 5, 8), (1, 3, 4, 7, 8), (1, 3, 4, 7, 8)), "same batch dims"),
+])
+def test_inputs_of_other_ranks_that_do_not_fit_are_named(shapes, words, gen):
+    q, k, v = (rand(gen, *s) for s in shapes)
+    with pytest.raises(InvalidInputError, match=words):
+        attnforge.sdpa(q, k, v)
+
+
+def test_a_mask_that_does_not_fit_leading_dims_is_named(gen):
+    q = rand(gen, 2, 3, 4, 5, 8)
+    with pytest.raises(InvalidInputError, match="does not broadcast to query's batch dims"):
+        attnforge.sdpa(q, q, q, attn_mask=torch.ones(4, 1, 1, 5, 5, dtype=torch.bool))
+    with pytest.raises(InvalidInputError, match="more dims than query"):
+        attnforge.sdpa(q[0, 0], q[0, 0], q[0, 0], attn_mask=torch.ones(2, 4, 5, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("kind", ["plain", "causal", "top-left", "mask", "gqa-3d"])
+def test_meta_tensors_go_to_torch_sdpa_with_the_reason(kind):
+    """A device attnforge has no kernels for (meta here; mps and xpu alike) is torch's SDPA's, and the
+    Decision says why instead of refusing the call. Shapes only: meta tensors hold no data."""
+    q, k, v = (torch.empty(2, 4, 13, 8, device="meta"), torch.empty(2, 4, 21, 8, device="meta"),
+               torch.empty(2, 4, 21, 6, device="meta"))
+    kwargs = {"plain": {}, "causal": {"is_causal": True}, "top-left": {"is_causal": True},
+              "mask": {"attn_mask": torch.empty(13, 21, dtype=torch.bool, device="meta")}, "gqa-3d": {}}[kind]
+    if kind == "causal":
+        k, v = k[:, :, :13], v[:, :, :13]
+    if kind == "gqa-3d":
+        q, k, v, kwargs = q[0], k[0, :2], v[0, :2], {"enable_gqa": True}
+    q.requires_grad_()
+    out = attnforge.sdpa(q, k, v, **kwargs)
+    assert out.device.type == "meta"
+    assert out.shape == F.scaled_dot_product_attention(q, k, v, **kwargs).shape
+    decision = attnforge.last_decision()
+    assert decision.forward.backend == "sdpa" and decision.problem.device.arch == "meta"
+    assert "attnforge has no kernels for meta devices" in str(decision)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and q.grad.device.type == "meta"
+
+
+def test_torch_kernel_restriction_holds_where_torch_runs(gen):
+    """Inside sdpa_kernel(...), a call that goes to torch's SDPA (a mask tensor here) runs under the caller's
+    restriction: the math kernel's bits where only math is allowed, torch's own refusal where the allowed
+    kernel cannot take the call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = rand(gen, 2, 4, 13, 16), rand(gen, 2, 4, 21, 16), rand(gen, 2, 4, 21, 16)
+    mask = torch.rand(13, 21, generator=gen) > 0.3
+    attnforge.sdpa(q, k, v, attn_mask=mask)  # first use (and its self-check) outside the restriction
+    with sdpa_kernel(SDPBackend.MATH):
+        out = attnforge.sdpa(q, k, v, attn_mask=mask)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert attnforge.last_decision().forward.backend == "sdpa"
+    assert torch.equal(out, ref.masked_fill(~mask.any(-1)[..., None], 0.0))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # no CPU kernel: torch refuses, and so does the call
+        with pytest.raises(RuntimeError) as theirs:
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        with pytest.raises(RuntimeError) as ours:
+            attnforge.sdpa(q, k, v, attn_mask=mask)
+    assert str(ours.value) == str(theirs.value)

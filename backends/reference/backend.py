@@ -32,5 +32,5 @@ class ReferenceBackend(Backend):
     def forward(self, variant, call):
         return kernels.forward(call.q, call.k, call.v, mask=call.mask, scale=call.scale)
 
-    def backward(self, variant, call, out, lse, dout):
-        return kernels.backward(call.q, call.k, call.v, out, lse, dout, mask=call.mask, scale=call.scale)
+    def backward(self, variant, call, out, lse, dout, dlse=None):
+        return kernels.backward(call.q, call.k, call.v, out, lse, dout, mask=call.mask, scale=call.scale, dlse=dlse)

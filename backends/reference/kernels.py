@@ -123,8 +123,9 @@ def forward(q, k, v, *, causal: bool = False, scale: float, block_n: int = BLOCK
 
 
 def backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float, block_n: int = BLOCK_N,
-             mask: Mask | None = None):
-    """(dq, dk, dv) in the inputs' dtypes, recomputing P = exp(S - LSE) tile by tile."""
+             mask: Mask | None = None, dlse=None):
+    """(dq, dk, dv) in the inputs' dtypes, recomputing P = exp(S - LSE) tile by tile. ``dlse``, the LSE's
+    gradient (or None): dLSE/dS = P, so dS = P * (dP - (delta - dlse))."""
     mask = as_mask(causal, mask)
     acc_t = accumulation_dtype(q.dtype)
     batch, heads_q, seqlen_q, _ = q.shape
@@ -136,6 +137,8 @@ def backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float, blo
     qg = _grouped(q, heads_kv, acc_t)
     dog = _grouped(dout, heads_kv, acc_t)
     delta = (dog * _grouped(out, heads_kv, acc_t)).sum(-1)  # D_i = rowsum(dO * O)
+    if dlse is not None:  # (a row with LSE -inf has P = 0: its dlse has no effect)
+        delta = delta - _grouped(dlse, heads_kv, acc_t)
     # A row with no key has LSE -inf and P = 0; +inf makes exp(S - LSE) exactly 0 there, not NaN.
     lse_g = _grouped(lse, heads_kv, acc_t).masked_fill(lse.unflatten(1, (heads_kv, -1)) == float("-inf"), float("inf"))
     dq = torch.zeros_like(qg)

@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend
 from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
 from torch.nn.attention.bias import causal_lower_right
 
+from ...dispatch.device import TORCH_ONLY
 from ...dispatch.problem import DTYPES, Problem
 from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
@@ -39,7 +40,7 @@ class SdpaBackend(Backend):
     summary = "torch.nn.functional.scaled_dot_product_attention (torch picks flash, cuDNN, efficient or math)"
     autograd_native = True
     support = Support(
-        vendors=frozenset({"nvidia", "amd", "cpu"}),
+        vendors=frozenset({"nvidia", "amd", "cpu", TORCH_ONLY}),  # TORCH_ONLY: mps, xpu, meta... (torch's own kernels)
         dtypes=frozenset({"fp16", "bf16", "fp32", "fp64"}),
         return_lse=False,
         empty=False,  # torch's fused kernels disagree on zero-sized inputs; reference handles them
@@ -51,6 +52,9 @@ class SdpaBackend(Backend):
 
     def _kernel(self, problem: Problem) -> str:
         """The SDPA kernel torch reports for these shapes (asked on stand-in tensors) where it can say."""
+        if problem.device.vendor == TORCH_ONLY:
+            return (f"torch's SDPA: attnforge has no kernels for {problem.device.arch} devices; "
+                    "torch picks its kernel at run time")
         if not problem.device.present:
             return "kernel chosen by torch at run time (device not present to ask)"
         if problem.mask.tensor or problem.mask.top_left:
@@ -125,7 +129,7 @@ def _lower_right(q, k, v, kwargs):
 def _fused_lower_right(q, k, v, kwargs) -> bool:
     """Whether torch runs the lower-right bias in a flash or memory-efficient kernel (the test
     torch.nn.attention.bias.CausalBias makes before it falls back to materialising the bias)."""
-    if q.device.type == "cpu":
+    if q.device.type != "cuda":  # torch's fused lower-right kernels are CUDA's (ROCm's too)
         return False
     params = SDPAParams(q, k, v, None, kwargs["dropout_p"], False, kwargs["enable_gqa"])
     return can_use_flash_attention(params) or can_use_efficient_attention(params)

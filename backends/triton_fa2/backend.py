@@ -150,8 +150,9 @@ class TritonFA2Backend(Backend):
         variant.module.launch(q, k, v, out, lse, causal=variant.causal, scale=call.scale)
         return out, lse
 
-    def backward(self, variant: TritonVariant, call, out, lse, dout):
+    def backward(self, variant: TritonVariant, call, out, lse, dout, dlse=None):
         q, k, v, dout = _unit_stride(call.q), _unit_stride(call.k), _unit_stride(call.v), _unit_stride(dout)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        variant.module.launch(q, k, v, out, lse, dout, dq, dk, dv, causal=variant.causal, scale=call.scale)
+        dlse = None if dlse is None else dlse.to(torch.float32)
+        variant.module.launch(q, k, v, out, lse, dout, dq, dk, dv, causal=variant.causal, scale=call.scale, dlse=dlse)
         return dq, dk, dv

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from attnforge import BackendUnavailableError, attention
+from attnforge.api import _run
 from attnforge.backends.reference import kernels, math_attention
 from attnforge.dispatch.mask import CAUSAL, NONE, Mask
 from attnforge.testing import assert_nan_rows, oracle, peer_error, poison, sees
@@ -93,3 +94,35 @@ def test_double_backward_is_a_clear_error(causal, gen):
     dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)  # create_graph alone is fine
     with pytest.raises(BackendUnavailableError, match="second-order gradients"):
         torch.autograd.grad(dq.sum(), k)
+
+
+@pytest.mark.parametrize("mask", [CAUSAL, NONE, Mask(causal=True, top_left=True)], ids=lambda m: m.describe() or "full")
+def test_gradcheck_through_lse(mask, gen):
+    """(out, lse) are both differentiable: dLSE/dS = P folds into delta. The LSE's gradient used to be dropped
+    (lse was marked non-differentiable), so gradcheck failed on the lse output."""
+    q, k, v = (t.double().requires_grad_() for t in qkv(gen, 7, 9, hq=2, hkv=1, d=8))
+    w_out, w_lse = torch.randn(2, 2, 7, 8, generator=gen).double(), torch.randn(2, 2, 7, generator=gen).double()
+
+    def loss(q, k, v):  # one output that needs both terms (gradcheck skips an output that needs no grad)
+        out, lse = _run(q, k, v, mask, 0.3, 0.0, "bhsd", True, "reference")  # attention()'s path, any Mask
+        return (out * w_out).sum() + (lse * w_lse).sum()
+
+    torch.autograd.gradcheck(loss, (q, k, v))
+
+
+def test_lse_gradient_of_rows_that_see_no_key_has_no_effect(gen):
+    """Rows with LSE -inf have P = 0: a dlse there changes nothing and brings no NaN; the other rows' dlse counts."""
+    q, k, v = (t.double().requires_grad_() for t in qkv(gen, 150, 19, hq=2, hkv=1, d=8))
+    out, lse = attention(q, k, v, causal=True, return_lse=True, backend="reference")
+    dead = lse == float("-inf")
+    assert dead.any() and not dead.all()
+    dout, dlse = torch.randn(out.shape, generator=gen).double(), torch.randn(lse.shape, generator=gen).double()
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    q64, k64, v64 = (t.detach().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = math_attention(q64, k64, v64, causal=True)
+    want = torch.autograd.grad((ref_out, ref_lse), (q64, k64, v64), (dout, dlse), retain_graph=True)
+    no_lse = torch.autograd.grad((ref_out, ref_lse), (q64, k64, v64), (dout, torch.zeros_like(dlse)))
+    for g, w in zip(grads, want):
+        assert g.isfinite().all()
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10)
+    assert not torch.allclose(want[0], no_lse[0])  # the live rows' dlse changes dq: the check above can fail

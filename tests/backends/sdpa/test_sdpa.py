@@ -129,3 +129,22 @@ def test_double_backward_is_torch_autograd_and_correct(causal, nq, nk, gen):
         raise
     except RuntimeError as e:  # torch's flash kernels have no second derivative
         assert "derivative for aten::" in str(e) and "is not implemented" in str(e), e
+
+
+@pytest.mark.parametrize("nq, nk", [(13, 13), (7, 21), (21, 7)])
+def test_serves_devices_attnforge_has_no_kernels_for(nq, nk):
+    """meta (as mps and xpu) is a TORCH_ONLY device: sdpa serves it in every causal alignment (the lower-right
+    bias included, which must not ask CUDA's kernel checks about it); the reference refuses it."""
+    from attnforge.dispatch import device as devices
+    from attnforge.dispatch.device import TORCH_ONLY
+
+    spec = devices.detect("meta")
+    assert spec.vendor == TORCH_ONLY and spec.arch == "meta" and not spec.present
+    assert spec.torch_device == torch.device("meta")
+    q, k, v = (torch.empty(2, 4, nq, 8, device="meta"), torch.empty(2, 2, nk, 8, device="meta"),
+               torch.empty(2, 2, nk, 8, device="meta"))
+    out = attention(q, k, v, causal=True)
+    assert out.shape == (2, 4, nq, 8) and out.device.type == "meta"
+    decision = attnforge.last_decision()
+    assert decision.forward.backend == "sdpa" and not decision.fallback
+    assert decision.forward.reasons_of("reference") == ("device meta (meta) is not served; serves amd, cpu, nvidia devices",)
