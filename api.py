@@ -143,6 +143,7 @@ def _fp8_descale(q, k, descales, layout) -> torch.Tensor:
 
 def _traced(q, k, v, causal, scale, dropout_p, layout, return_lse, backend):
     """Under torch.compile: one opaque custom op (see op.py); the dispatcher runs when the graph runs."""
+    q, k, v = autocast_inputs(q, k, v)
     from .op import attention_op
 
     if dropout_p:
@@ -155,8 +156,30 @@ def _traced(q, k, v, causal, scale, dropout_p, layout, return_lse, backend):
     return (out, lse) if return_lse else out
 
 
+_AUTOCAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def autocast_inputs(q, k, v):
+    """q, k and v as torch.autocast has SDPA see them: inside an enabled autocast region of their device, the
+    fp32/fp16/bf16 ones in the autocast dtype (SDPA is on autocast's lower-precision list, so a step whose
+    QK-norm leaves q and k in fp32 while v is bf16 runs in bf16); outside one, unchanged (mixed dtypes stay
+    an error). The Decision then sees the dtype that runs; casting is differentiable."""
+    if not isinstance(q, torch.Tensor):
+        return q, k, v  # (the validation names what is wrong)
+    device = "cuda" if q.is_cuda else q.device.type
+    try:
+        if not torch.is_autocast_enabled(device):
+            return q, k, v
+    except RuntimeError:  # a device type autocast does not know (meta): nothing to cast
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_DTYPES else t for t in (q, k, v))
+
+
 def _run(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, descale=None, attn_mask=None):
     """Decide (a dict lookup for a repeated call signature), then run the decided Variants on one Call."""
+    if descale is None:
+        q, k, v = autocast_inputs(q, k, v)
     decision = decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend)
     scale = check_scale(scale, q.shape[-1])
     if layout == "bshd":

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import torch
+
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
 from ...dispatch.variant import TorchVariant
 from . import kernels
+
+
+def _no_autocast(t):
+    return torch.autocast(t.device.type, enabled=False)
 
 
 class ReferenceBackend(Backend):
@@ -30,7 +36,9 @@ class ReferenceBackend(Backend):
         return self._variant(problem), []
 
     def forward(self, variant, call):
-        return kernels.forward(call.q, call.k, call.v, mask=call.mask, scale=call.scale)
+        with _no_autocast(call.q):  # its fp32 (fp64) accumulation is the point: autocast must not lower it
+            return kernels.forward(call.q, call.k, call.v, mask=call.mask, scale=call.scale)
 
     def backward(self, variant, call, out, lse, dout, dlse=None):
-        return kernels.backward(call.q, call.k, call.v, out, lse, dout, mask=call.mask, scale=call.scale, dlse=dlse)
+        with _no_autocast(call.q):
+            return kernels.backward(call.q, call.k, call.v, out, lse, dout, mask=call.mask, scale=call.scale, dlse=dlse)
