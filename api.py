@@ -118,10 +118,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 def _causal_mask(causal) -> Mask:
     """The bottom-right causal mask or none; a ``causal`` that is not a bool is refused (check_causal)."""
-    if causal is True:
-        return CAUSAL
-    if causal is False:
-        return NONE
     return CAUSAL if check_causal(causal) else NONE
 
 

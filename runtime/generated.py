@@ -11,46 +11,34 @@ import pathlib
 import sys
 import threading
 
-from ..codegen.render import render
 from .cache import CacheError, default_cache_dir, locked, scratch_dir, untrusted, warn_once, write_atomic
 
 _lock = threading.Lock()
-_modules: dict[tuple, object] = {}  # (template, params, name, folder) -> module, per process
+_modules: dict[tuple, object] = {}  # (Source, folder) -> module, per process
 
 
-_texts: dict[tuple, str] = {}
-
-
-def _key(template: str, params: dict) -> tuple:
-    return (template, repr(sorted(params.items())))
-
-
-def source(template: str, params: dict) -> str:
-    """The rendered text of ``template`` with ``params`` (rendered once per process)."""
-    key = _key(template, params)
-    text = _texts.get(key)
-    if text is None:
-        text = _texts[key] = render(template, **params)
-    return text
+_texts: dict[object, str] = {}  # codegen.Source -> its rendered text, per process
 
 
 def digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def path_of(template: str, params: dict, name: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
-    """Where the rendered module lives in the cache, written there (and checked) if need be. A default
-    cache that cannot take it (read-only, a bad ATTNFORGE_CACHE_DIR, or one that cache.untrusted refuses
-    to import code from) gives way to this process's scratch folder, with a warning logged once; an
-    explicit ``cache_dir`` that cannot raises CacheError."""
-    text = source(template, params)
+def path_for(source, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """Where the module a codegen.Source renders to lives in the cache, written there (and checked) if need
+    be. A default cache that cannot take it (read-only, a bad ATTNFORGE_CACHE_DIR, or one that
+    cache.untrusted refuses to import code from) gives way to this process's scratch folder, with a warning
+    logged once; an explicit ``cache_dir`` that cannot raises CacheError."""
+    text = _texts.get(source)
+    if text is None:
+        text = _texts[source] = source.text()
     if cache_dir is not None:
-        return _placed(pathlib.Path(cache_dir), name, text)
+        return _placed(pathlib.Path(cache_dir), source.name, text)
     try:
-        return _placed(default_cache_dir(), name, text)
+        return _placed(default_cache_dir(), source.name, text)
     except OSError as exc:  # CacheError included
         warn_once(f"generated kernel modules go to {scratch_dir()} for this process: {exc}")
-        return _placed(scratch_dir(), name, text)
+        return _placed(scratch_dir(), source.name, text)
 
 
 def _placed(root: pathlib.Path, name: str, text: str) -> pathlib.Path:
@@ -82,7 +70,7 @@ def load(source, cache_dir: pathlib.Path | None = None):
         with _lock:
             module = _modules.get(key)
             if module is None:
-                path = path_of(source.template, source.params, source.name, cache_dir)
+                path = path_for(source, cache_dir)
                 module = _modules[key] = import_path(path, source.name)
     return module
 
@@ -92,11 +80,6 @@ def _default_name() -> str:
         return str(default_cache_dir())
     except OSError:
         return ""
-
-
-def path_for(source, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
-    """The cache file of a codegen.Source (rendered there if need be)."""
-    return path_of(source.template, source.params, source.name, cache_dir)
 
 
 def import_path(path, name: str | None = None):

@@ -40,19 +40,24 @@ def as_mask(causal: bool = False, mask: Mask | None = None) -> Mask:
     return mask if mask is not None else CAUSAL if causal else NONE
 
 
+def _hidden(start: int, width: int, seqlen_q: int, seqlen_k: int, mask: Mask, device) -> torch.Tensor | None:
+    """(seqlen_q, width) bool: which keys of [start, start + width) the mask hides from each query row
+    (None: it hides none)."""
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(start, start + width, device=device)[None, :]
+    return mask.hidden(rows, cols, seqlen_q, seqlen_k)
+
+
 def _mask_tile(s: torch.Tensor, start: int, seqlen_q: int, seqlen_k: int, mask: Mask) -> torch.Tensor:
-    rows = torch.arange(seqlen_q, device=s.device)[:, None]
-    cols = torch.arange(start, start + s.shape[-1], device=s.device)[None, :]
-    hidden = mask.hidden(rows, cols, seqlen_q, seqlen_k)
+    hidden = _hidden(start, s.shape[-1], seqlen_q, seqlen_k, mask, s.device)
     return s if hidden is None else s.masked_fill(hidden, float("-inf"))
 
 
 def _visible(start: int, block_n: int, seqlen_q: int, seqlen_k: int, mask: Mask, device) -> torch.Tensor:
     """(seqlen_q, keys of the tile) bool: which keys of [start, start + block_n) each query row sees."""
-    rows = torch.arange(seqlen_q, device=device)[:, None]
-    cols = torch.arange(start, min(start + block_n, seqlen_k), device=device)[None, :]
-    hidden = mask.hidden(rows, cols, seqlen_q, seqlen_k)
-    return ~hidden if hidden is not None else torch.ones(seqlen_q, cols.shape[1], dtype=torch.bool, device=device)
+    width = min(start + block_n, seqlen_k) - start
+    hidden = _hidden(start, width, seqlen_q, seqlen_k, mask, device)
+    return ~hidden if hidden is not None else torch.ones(seqlen_q, width, dtype=torch.bool, device=device)
 
 
 def _has_nonfinite_values(v: torch.Tensor, mask: Mask) -> bool:

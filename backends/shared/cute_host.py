@@ -10,7 +10,7 @@ import importlib.util
 import torch
 
 from ...dispatch.variant import Variant
-from ...runtime import cute
+from ...runtime import cute, generated
 from ...runtime.cute import import_cutlass
 
 DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
@@ -18,10 +18,16 @@ LOG2_E = 1.4426950408889634  # the kernels work in exp2: they take scale * log2(
 FACTORY = f"{__name__}:compile_arguments"  # what runtime.cute calls to trace a kernel of these backends
 
 
+def cute_build(source, dtype: str, causal: bool, arch: str, cache_name: str) -> cute.CuteBuild:
+    """The runtime.cute.CuteBuild of a generated module (a codegen.Source) for one dtype and causality, compiled
+    for ``arch`` into the cache folder ``cache_name``, traced by this module's compile_arguments."""
+    return cute.CuteBuild(str(generated.path_for(source)), source.name, dtype, causal, arch, cache_name, FACTORY)
+
+
 class CuteVariant(Variant):
     """What the CuTe backends' variants share: a frozen dataclass subclass has ``tile``, ``dtype``, ``causal``,
-    ``module`` and ``source`` and names its backend's compile module (``compile_module``, with
-    ``cute_build(source, dtype, causal)``); the compiled kernel is loaded or compiled on first use and is then
+    ``module`` and ``source`` and names its backend's compile module (``compile_module``: its ``ARCH`` and
+    ``CACHE_NAME``); the compiled kernel is loaded or compiled on first use and is then
     an attribute lookup (the launch path of every call)."""
 
     compile_module = None
@@ -35,7 +41,7 @@ class CuteVariant(Variant):
 
     @functools.cached_property
     def build(self) -> cute.CuteBuild:
-        return self.compile_module.cute_build(self.source, self.dtype, self.causal)
+        return cute_build(self.source, self.dtype, self.causal, self.compile_module.ARCH, self.compile_module.CACHE_NAME)
 
     @functools.cached_property
     def kernel(self):

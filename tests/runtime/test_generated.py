@@ -48,7 +48,7 @@ def test_generated_modules_go_to_the_scratch_folder_with_one_warning(unusable, c
 def test_an_explicit_folder_that_cannot_be_written_is_an_error_naming_it(tmp_path):
     (tmp_path / "file").write_text("in the way")
     with pytest.raises(cache.CacheError, match=str(tmp_path / "file")):
-        generated.path_of("triton_fa2_fwd.py.jinja", _source().params, "x", tmp_path / "file" / "out")
+        generated.path_for(Source.of("triton_fa2_fwd.py.jinja", _source().params, "x"), tmp_path / "file" / "out")
 
 
 def test_generated_modules_are_not_imported_from_a_folder_others_can_write(tmp_path, monkeypatch, caplog):
