@@ -237,12 +237,13 @@ def _build_items(args) -> list:
     for name in names:
         b = backends[name]
         missing = b.available()
-        if missing and b.variants(args.target, args.dtype, args.head_dim, causal):
+        planned = b.variants(args.target, args.dtype, args.head_dim, causal, strict=args.backend == name and not missing)
+        if missing and planned:
             if args.backend == name:
                 raise ValueError(f"{name} cannot build here: " + "; ".join(missing))
             print(f"attnforge build: skipping {name}: " + "; ".join(missing), file=sys.stderr)
             continue
-        for variant in b.variants(args.target, args.dtype, args.head_dim, causal, strict=args.backend == name):
+        for variant in planned:
             for item in b.builds(variant):
                 items[item] = None
     return list(items)
