@@ -111,7 +111,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         descale = _fp8_descale(q, k, descales, layout)
         return _run(q, k, v, _causal_mask(causal), scale, dropout_p, layout, return_lse, backend, descale=descale)
     if torch.compiler.is_compiling():
-        return _traced(q, k, v, check_causal(causal), scale, dropout_p, layout, return_lse, backend)
+        return _traced(q, k, v, _causal_mask(causal), scale, dropout_p, layout, return_lse, backend)
     mask = CAUSAL if causal is True else NONE if causal is False else _causal_mask(causal)  # (hot path: inline)
     return _run(q, k, v, mask, scale, dropout_p, layout, return_lse, backend)
 
@@ -137,16 +137,22 @@ def _fp8_descale(q, k, descales, layout) -> torch.Tensor:
     return out
 
 
-def _traced(q, k, v, causal, scale, dropout_p, layout, return_lse, backend):
-    """Under torch.compile: one opaque custom op (see op.py); the dispatcher runs when the graph runs."""
+def _traced(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, attn_mask=None):
+    """Under torch.compile: one opaque custom op (see op.py). The op decides when the graph runs, as an eager
+    call would; what only tracing knows (grad mode, requires_grad) is passed to it."""
     q, k, v = autocast_inputs(q, k, v)
     from .op import attention_op
 
     if dropout_p:
         raise InvalidInputError("dropout_p > 0 inside torch.compile is not supported yet; call attention() eagerly")
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise InvalidInputError("an attn_mask that requires grad is not supported inside torch.compile (the op "
+                                "gives no gradient for it); call attnforge.sdpa eagerly")
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    out, lse = attention_op(q, k, v, causal, check_scale(scale, q.shape[-1]), backend)
+    out, lse = attention_op(q, k, v, attn_mask, mask.causal, mask.top_left, check_scale(scale, q.shape[-1]),
+                            needs_grad, return_lse, backend)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
@@ -227,6 +233,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
         mask = _TOP_LEFT_CAUSAL
     else:
         mask = CAUSAL if is_causal else NONE
+    if torch.compiler.is_compiling():
+        return _traced(query, key, value, mask, scale, dropout_p, "bhsd", False, None, attn_mask=attn_mask)
     return _run(query, key, value, mask, scale, dropout_p, "bhsd", False, None, attn_mask=attn_mask)
 
 

@@ -3,9 +3,16 @@ call it without graph breaks: the op is opaque to the compiler (the dispatcher a
 when the compiled graph runs), fake implementations give shapes, and autograd is registered.
 
 Eager calls do not go through the op (its dispatch costs more than attnforge's whole host path);
-attention() routes here only while torch.compile is tracing. There, autograd-native backends
-(torch SDPA) are passed over for the best one with its own backward (triton_fa2 on NVIDIA,
-triton_rocm on CDNA, reference on the CPU): see _plan().
+attention() and attnforge.sdpa() route here only while torch.compile is tracing. When the compiled
+graph runs, the op decides exactly as an eager call with the same inputs would (the same Decision,
+cached per call signature, reported by last_decision() and decisions()): the forward on its forward
+backend, the backward on its backward backend. ``needs_grad`` is fixed when the graph is traced (grad
+mode and requires_grad, as eager sees them), since inside the op no input requires grad.
+
+One difference is forced by the op boundary: a forward whose backward is torch autograd through it
+(the ``sdpa`` backend) cannot keep its autograd graph across two ops, so the backward op runs that
+forward again under autograd and differentiates it (the same kernels and numbers as eager, at the
+cost of one more forward).
 """
 
 from __future__ import annotations
@@ -16,41 +23,20 @@ import torch
 
 from .dispatch import registry
 from .dispatch.call import Call
-from .dispatch.mask import CAUSAL, NONE
+from .dispatch.mask import Mask
 
 
-def _plan(q, k, v, causal, backend):
-    """(backend, forward Variant, backward Variant) the op runs: the best backend the Decision found serving
-    the forward whose own backward runs from the saved output and LSE. Autograd-native backends (torch
-    SDPA) are passed over here: inside an op, autograd cannot run through them, and the op's backward
-    must be an op too."""
-    from .dispatch.decision import CHOSEN, ELIGIBLE
-    from .dispatch.problem import problem_from_tensors
-    from .dispatch.select import decide, forced_backend
-    from .errors import BackendUnavailableError
-
-    problem = problem_from_tensors(q, k, v, mask=CAUSAL if causal else NONE, needs_grad=True)
-    decision = decide(problem, *forced_backend(backend))
-    for c in decision.forward.candidates:
-        if c.verdict in (CHOSEN, ELIGIBLE):
-            b = registry.get(c.backend)
-            if b.autograd_native:
-                continue
-            fwd, _ = b.plan(problem)
-            bwd, _ = b.plan_backward(problem)
-            if fwd is not None and bwd is not None:
-                return b, fwd, bwd
-    raise BackendUnavailableError("under torch.compile attnforge needs a backend whose backward runs from the "
-                                  f"saved output and LSE, and none serves this call:\n{decision}")
+def _mask(attn_mask: Optional[torch.Tensor], causal: bool, top_left: bool) -> Mask:
+    return Mask(tensor=True) if attn_mask is not None else Mask(causal=causal, top_left=causal and top_left)
 
 
-@torch.library.custom_op("attnforge::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                 backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) for (batch, heads, seqlen, dim) inputs."""
-    b, fwd, _ = _plan(q, k, v, causal, backend)
-    out, lse = b.forward(fwd, Call(q, k, v, scale, CAUSAL if causal else NONE))
-    return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
+def _decide(q, k, v, attn_mask, causal, top_left, needs_grad, return_lse, backend):
+    """The Decision an eager call with these inputs takes (and that last_decision() then reports), and its Call."""
+    from .dispatch.select import decide_call
+
+    mask = _mask(attn_mask, causal, top_left)
+    decision = decide_call(q, k, v, "bhsd", mask, 0.0, return_lse, backend, needs_grad=needs_grad)
+    return decision, mask
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -58,43 +44,90 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _lse_shape(q: torch.Tensor, needs_grad: bool, return_lse: bool) -> tuple[int, ...]:
+    """The op's LSE output: (batch, heads, seqlen_q) where the caller or the backward uses it, else empty."""
+    return (*q.shape[:3],) if needs_grad or return_lse else (*q.shape[:2], 0)
+
+
+@torch.library.custom_op("attnforge::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], causal: bool,
+                 top_left: bool, scale: float, needs_grad: bool, return_lse: bool,
+                 backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for (batch, heads, seqlen, dim) inputs, by the Decision an eager call would take. The LSE is
+    (batch, heads, seqlen_q) when ``return_lse`` or ``needs_grad``, else (batch, heads, 0)."""
+    decision, mask = _decide(q, k, v, attn_mask, causal, top_left, needs_grad, return_lse, backend)
+    out, lse = registry.get(decision.forward.backend).forward(decision.forward.variant,
+                                                              Call(q, k, v, scale, mask, attn_mask=attn_mask))
+    shape = _lse_shape(q, needs_grad, return_lse)
+    if not shape[-1]:  # no one uses it
+        lse = q.new_empty(shape, dtype=_lse_dtype(q))
+    elif lse is None:  # a backend without an LSE (sdpa) declines return_lse; its backward recomputes, using none
+        lse = q.new_full(shape, float("nan"), dtype=_lse_dtype(q))
+    return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
+
+
 @attention_op.register_fake
-def _(q, k, v, causal, scale, backend):
+def _(q, k, v, attn_mask, causal, top_left, scale, needs_grad, return_lse, backend):
     # exactly what the real op returns: contiguous out in q's dtype and contiguous LSE (new_empty is contiguous)
-    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=_lse_dtype(q))
+    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(_lse_shape(q, needs_grad, return_lse),
+                                                                dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("attnforge::attention_backward", mutates_args=())
-def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool, scale: float,
-                          backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) from the forward op's output and LSE, by the backend that ran the forward; ``dlse``, the
-    LSE's gradient (None where the LSE is not used), folds into the backward's delta."""
-    b, _, bwd = _plan(q, k, v, causal, backend)
-    grads = b.backward(bwd, Call(q, k, v, scale, CAUSAL if causal else NONE), out, lse, dout, dlse)
+def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
+                          dlse: Optional[torch.Tensor], causal: bool, top_left: bool, scale: float,
+                          return_lse: bool, backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) by the backward of the Decision the forward op took; ``dlse``, the LSE's gradient (None where
+    the LSE is not used), folds into the backward's delta."""
+    decision, mask = _decide(q, k, v, attn_mask, causal, top_left, True, return_lse, backend)
+    choice, call = decision.backward, Call(q, k, v, scale, mask, attn_mask=attn_mask)
+    if choice.variant is None and registry.get(choice.backend).autograd_native:
+        grads = _recomputed_gradients(registry.get(decision.forward.backend), decision.forward.variant, call, dout)
+    else:
+        grads = registry.get(choice.backend).backward(choice.variant, call, out, lse, dout, dlse)
     return tuple(g.contiguous() for g in grads)
 
 
+def _recomputed_gradients(backend, variant, call: Call, dout):
+    """Gradients of an autograd-native forward (torch SDPA): run it again under autograd and differentiate it."""
+    with _autograd_inside_op(), torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in (call.q, call.k, call.v))
+        out, _ = backend.forward(variant, call._replace(q=q, k=k, v=v))
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+
+def _autograd_inside_op():
+    """A custom op's implementation runs with the autograd dispatch keys excluded (torch.library's autograd
+    wrapper redispatches below autograd), so no graph would be recorded: re-include them for the recompute.
+    The exclusion is thread-local dispatcher state; the guard restores it on exit. Autocast stays excluded
+    (the inputs are already in the dtype that runs)."""
+    C = torch._C
+    autograd = C.DispatchKeySet(C.DispatchKey.AutogradFunctionality) | C.DispatchKeySet(C.DispatchKey.ADInplaceOrView)
+    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), C._dispatch_tls_local_exclude_set() - autograd)
+
+
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, causal, scale, backend):
+def _(dout, q, k, v, attn_mask, out, lse, dlse, causal, top_left, scale, return_lse, backend):
     # contiguous, as the real op returns them (empty_like would copy the inputs' strides: bshd, transposed views)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, backend = inputs
+    q, k, v, attn_mask, causal, top_left, scale, needs_grad, return_lse, backend = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+    ctx.save_for_backward(q, k, v, attn_mask, out, lse)
+    ctx.flags = causal, top_left, scale, return_lse, backend
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, attn_mask, out, lse = ctx.saved_tensors
+    causal, top_left, scale, return_lse, backend = ctx.flags
     dout = torch.zeros_like(out) if dout is None else dout
-    dlse = None if dlse is None else dlse.to(lse.dtype).contiguous()
-    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, dlse, ctx.causal, ctx.scale,
-                                       ctx.backend)
-    return dq, dk, dv, None, None, None
+    dlse = None if dlse is None or not return_lse else dlse.to(lse.dtype).contiguous()
+    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, attn_mask, out, lse, dlse, causal, top_left,
+                                       scale, return_lse, backend)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

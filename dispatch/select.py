@@ -177,12 +177,15 @@ _CALL_CACHE: dict[tuple, tuple[int, Decision]] = {}
 _CALL_CACHE_LIMIT = 4096
 
 
-def decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend) -> Decision:
+def decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend, needs_grad: bool | None = None) -> Decision:
     """The Decision for this call. A repeated call signature (shapes, dtypes, devices, flags, forcing)
-    is a dict lookup: it was validated when first seen, so the hot path stays in microseconds."""
+    is a dict lookup: it was validated when first seen, so the hot path stays in microseconds.
+    ``needs_grad`` defaults to what grad mode and the inputs' requires_grad say (the compiled path's op,
+    whose inputs never require grad, passes what its traced call said)."""
     forced, how = forced_backend(backend)
     try:
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if needs_grad is None:
+            needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout,
                mask, dropout_p, return_lse, needs_grad, forced, how)
         entry = _CALL_CACHE.get(key)
@@ -190,7 +193,7 @@ def decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend) -> Decisi
         key, entry = None, None
     if entry is None:
         problem = problem_from_tensors(q, k, v, layout=layout, mask=mask, dropout_p=dropout_p,
-                                       return_lse=return_lse)
+                                       return_lse=return_lse, needs_grad=needs_grad)
         decision = decide(problem, forced, how)
         if not decision.ok:
             raise BackendUnavailableError(str(decision))
