@@ -13,7 +13,12 @@ from .backends.reference import math_attention
 from .dispatch import (PROFILES, Decision, DeviceSpec, Problem, decisions, last_decision, profile, registered,
                        use_backend)
 from .errors import AttnforgeError, BackendUnavailableError, InvalidInputError, UnknownNameError
+from .integrations import torch_flash as _torch_flash
 from .merge import merge_states
+
+# torch's flash-attention registry gets the name "attnforge"; activating it is the user's call
+# (torch.nn.attention.activate_flash_attention_impl("attnforge")), never an import's
+_torch_flash.register()
 
 __all__ = ["AttnforgeError", "BackendUnavailableError", "Decision", "DeviceSpec", "InvalidInputError",
            "PROFILES", "Problem", "UnknownNameError", "__version__", "attention", "decisions", "explain",

@@ -125,7 +125,10 @@ def run(cfg: BenchConfig, progress=print, checkpoint=None) -> dict:
                                     "reason": f"attnforge cannot serve it: {str(decision).splitlines()[0]}"})
                     continue
             try:
-                row.update(_measure_one(impl, q, k, v, dout, causal, scale, mode, device, cfg, ref))
+                with impl.context():
+                    row.update(_measure_one(impl, q, k, v, dout, causal, scale, mode, device, cfg, ref))
+                    if impl.reports_decision and attnforge.last_decision() is not None:
+                        row["decision"] = attnforge.last_decision().to_dict()
                 row["tflops"] = measure.flops(batch, heads, seqlen, seqlen, head_dim, head_dim, causal, mode) / (
                     row["median_ms"] * 1e-3) / 1e12
             except Exception as exc:  # a peer that refuses a config is a result, not a crash

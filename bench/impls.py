@@ -3,6 +3,7 @@ the peers that are importable here. Each says why it cannot run rather than fail
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 from typing import Callable
@@ -24,6 +25,8 @@ class Impl:
     why_not: Callable = lambda device, dtype: None  # reason it cannot run here, or None
     is_attnforge: bool = False  # attnforge.attention: its Decision is recorded with each result
     attnforge_backend: str | None = None  # the backend it forces (None: automatic)
+    context: Callable = contextlib.nullcontext  # entered around its checks and timing (not per call)
+    reports_decision: bool = False  # attnforge runs inside it: last_decision() after its check is recorded
 
 
 def _attnforge(backend: str | None):
@@ -45,6 +48,28 @@ def _sdpa_kernel(kind: str):
             return out.transpose(1, 2)
         return run
     return make
+
+
+@contextlib.contextmanager
+def _attnforge_as_torch_flash():
+    """attnforge active as torch's flash-attention implementation, and torch's own restored after."""
+    from torch.nn.attention import activate_flash_attention_impl, restore_flash_attention_impl
+
+    activate_flash_attention_impl("attnforge")
+    try:
+        yield
+    finally:
+        restore_flash_attention_impl()
+
+
+def _torch_flash_why_not(device, dtype):
+    if device.type != "cuda":
+        return "needs a CUDA GPU"
+    try:
+        from torch.nn.attention import list_flash_attention_impls
+    except ImportError:
+        return "this torch has no flash-attention registry (torch 2.9+)"
+    return None if "attnforge" in list_flash_attention_impls() else "attnforge is not registered with torch"
 
 
 def _needs_cuda(device, dtype):
@@ -118,6 +143,10 @@ def implementations() -> dict[str, Impl]:
                        ("EFFICIENT_ATTENTION", "sdpa-efficient"), ("MATH", "sdpa-math")):
         impls[name] = Impl(name, f"torch SDPA restricted to {kind}", _sdpa_kernel(kind),
                            why_not=_needs_cuda if name in ("sdpa-cudnn", "sdpa-efficient") else (lambda d, t: None))
+    impls["sdpa-flash-attnforge"] = Impl(
+        "sdpa-flash-attnforge", "torch SDPA restricted to FLASH_ATTENTION, attnforge active as torch's flash "
+        "implementation (torch.nn.attention.activate_flash_attention_impl)", _sdpa_kernel("FLASH_ATTENTION"),
+        why_not=_torch_flash_why_not, context=_attnforge_as_torch_flash, reports_decision=True)
     impls["fa4"] = Impl("fa4", "FlashAttention-4 (flash_attn.cute.flash_attn_func)", _fa4, _fa4_why_not)
     impls["fa3"] = Impl("fa3", "FlashAttention-3 (flash_attn_interface.flash_attn_func)", _fa3, _fa3_why_not)
     impls["fa2"] = Impl("fa2", "FlashAttention-2 (flash_attn.flash_attn_func)", _fa2, _fa2_why_not)

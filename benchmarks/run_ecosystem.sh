@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# attnforge in torch's training ecosystem, on a GPU: the compiled-training and flash-implementation tests,
+# a compiled Hugging Face Llama step (Decisions, gradients, eager vs compiled step time; also through SDPA
+# with attnforge active as torch's flash implementation), and the standard forward grid through SDPA with
+# attnforge active against stock SDPA and the peers. Writes into OUTDIR.
+#
+#   bash benchmarks/run_ecosystem.sh OUTDIR
+set -uo pipefail
+out=${1:?usage: bash benchmarks/run_ecosystem.sh OUTDIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+[ -f .gpu/setup.sh ] && source .gpu/setup.sh >"$out/setup.log" 2>&1
+if ! python3 -c "import attnforge" 2>/dev/null; then
+  mkdir -p /tmp/attnforge-src && ln -sfn "$PWD" /tmp/attnforge-src/attnforge
+  export PYTHONPATH=/tmp/attnforge-src${PYTHONPATH:+:$PYTHONPATH}
+fi
+git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
+{ echo "=== tests"; python3 -m pytest -q -p no:cacheprovider tests/test_op.py tests/integrations tests/test_autocast.py 2>&1 | tail -n 8
+  echo "=== compiled step"; python3 benchmarks/compiled_step.py --json "$out/compiled_step.json" 2>&1 | tail -n 60
+} 2>&1 | tee "$out/log.txt"
+python3 -m attnforge bench --dtype bf16 --mode fwd --backends auto,sdpa-flash,sdpa-flash-attnforge,sdpa-cudnn,fa4 \
+  --out "$out/bench.json" 2>&1 | tee "$out/bench.txt"
