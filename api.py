@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .dispatch import device as devices
@@ -151,8 +153,11 @@ def _traced(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, 
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    out, lse = attention_op(q, k, v, attn_mask, mask.causal, mask.top_left, check_scale(scale, q.shape[-1]),
-                            needs_grad, return_lse, backend)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif type(scale) is not float:  # (a traced float may be symbolic: the op checks it when the graph runs)
+        scale = check_scale(scale, q.shape[-1])
+    out, lse = attention_op(q, k, v, attn_mask, mask.causal, mask.top_left, scale, needs_grad, return_lse, backend)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -24,6 +24,7 @@ import torch
 from .dispatch import registry
 from .dispatch.call import Call
 from .dispatch.mask import Mask
+from .dispatch.problem import check_scale
 
 
 def _mask(attn_mask: Optional[torch.Tensor], causal: bool, top_left: bool) -> Mask:
@@ -55,6 +56,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
                  backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for (batch, heads, seqlen, dim) inputs, by the Decision an eager call would take. The LSE is
     (batch, heads, seqlen_q) when ``return_lse`` or ``needs_grad``, else (batch, heads, 0)."""
+    scale = check_scale(scale, q.shape[-1])  # (traced as a graph input, it is first seen here)
     decision, mask = _decide(q, k, v, attn_mask, causal, top_left, needs_grad, return_lse, backend)
     out, lse = registry.get(decision.forward.backend).forward(decision.forward.variant,
                                                               Call(q, k, v, scale, mask, attn_mask=attn_mask))

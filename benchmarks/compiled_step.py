@@ -3,8 +3,9 @@ the Decisions the compiled step took (forward and backward backends), its gradie
 (the bound is what the same step through torch's SDPA shows, compiled against eager, in the same run), and the
 step time of each (model speed: the whole step, embeddings to loss; CUDA events, median over steps).
 
-Also the same model's logits and gradients through ``attn_implementation="sdpa"`` with attnforge active as
-torch's flash-attention implementation, against stock SDPA, with the Decisions that served it.
+Also the same model through ``attn_implementation="sdpa"`` restricted to torch's FLASH backend, with attnforge
+active as torch's flash-attention implementation and without: step times, gradients against stock flash's,
+and the Decisions that served it.
 
     python benchmarks/compiled_step.py [--json out.json] [--layers 4 --seqlen 2048 --batch 4]
 """
@@ -82,14 +83,20 @@ def compiled_vs_eager(attn: str, ids, args, context=contextlib.nullcontext):
 
 
 @contextlib.contextmanager
-def attnforge_as_torch_flash():
-    from torch.nn.attention import activate_flash_attention_impl, restore_flash_attention_impl
+def torch_flash(attnforge_active: bool):
+    """SDPA restricted to its FLASH backend, with attnforge active as torch's flash implementation or not."""
+    from torch.nn.attention import (SDPBackend, activate_flash_attention_impl, restore_flash_attention_impl,
+                                    sdpa_kernel)
 
-    activate_flash_attention_impl("attnforge")
-    try:
-        yield
-    finally:
-        restore_flash_attention_impl()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        if not attnforge_active:
+            yield
+            return
+        activate_flash_attention_impl("attnforge")
+        try:
+            yield
+        finally:
+            restore_flash_attention_impl()
 
 
 def summary(ds) -> list[dict]:
@@ -128,15 +135,20 @@ def main() -> None:
         "nonfinite": [n for n, g in g_c.items() if not g.isfinite().all()],
         "worst": {"param": worst, "attnforge": ours[worst], "sdpa": theirs[worst], "scale": scale[worst]}}
 
+    (sloss_e, sg_e), (sloss_c, sg_c), seager_ms, scompiled_ms = compiled_vs_eager(
+        "sdpa", ids, args, lambda: torch_flash(False))
+    result["sdpa_flash_stock"] = {"eager_ms": seager_ms, "compiled_ms": scompiled_ms, "loss_eager": sloss_e.item(),
+                                  "loss_compiled": sloss_c.item()}
     clear_caches()
-    (floss_e, fg_e), (floss_c, fg_c), feager_ms, fcompiled_ms = compiled_vs_eager("sdpa", ids, args,
-                                                                                  attnforge_as_torch_flash)
-    flash = max_diff(fg_e, pg_e)
-    result["sdpa_with_attnforge_flash"] = {
+    (floss_e, fg_e), (floss_c, fg_c), feager_ms, fcompiled_ms = compiled_vs_eager(
+        "sdpa", ids, args, lambda: torch_flash(True))
+    flash, stock = max_diff(fg_e, sg_e), max_diff(sg_c, sg_e)
+    result["sdpa_flash_with_attnforge"] = {
         "decisions": summary(decisions()), "eager_ms": feager_ms, "compiled_ms": fcompiled_ms,
         "loss_eager": floss_e.item(), "loss_compiled": floss_c.item(),
-        "eager_grads_vs_stock_sdpa_eager": {"max_abs": max(flash.values()),
-                                            "stock_compiled_vs_eager": max(theirs.values())}}
+        "eager_grads_vs_stock_flash_eager_max_abs": max(flash.values()),
+        "stock_flash_compiled_vs_eager_max_abs": max(stock.values()),
+        "nonfinite": [n for n, g in fg_e.items() if not g.isfinite().all()]}
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

@@ -4,7 +4,7 @@
 # with attnforge active as torch's flash implementation), and the standard forward grid through SDPA with
 # attnforge active against stock SDPA and the peers. Writes into OUTDIR.
 #
-#   bash benchmarks/run_ecosystem.sh OUTDIR
+#   bash benchmarks/run_ecosystem.sh OUTDIR         (NO_GRID=1: without the forward grid)
 set -uo pipefail
 out=${1:?usage: bash benchmarks/run_ecosystem.sh OUTDIR}
 mkdir -p "$out"
@@ -15,8 +15,10 @@ if ! python3 -c "import attnforge" 2>/dev/null; then
   export PYTHONPATH=/tmp/attnforge-src${PYTHONPATH:+:$PYTHONPATH}
 fi
 git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
-{ echo "=== tests"; python3 -m pytest -q -p no:cacheprovider tests/test_op.py tests/integrations tests/test_autocast.py 2>&1 | tail -n 8
+python3 -m pytest -q -p no:cacheprovider -rf tests/test_op.py tests/integrations tests/test_autocast.py > "$out/tests.txt" 2>&1
+{ echo "=== tests"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.txt"
   echo "=== compiled step"; python3 benchmarks/compiled_step.py --json "$out/compiled_step.json" 2>&1 | tail -n 60
 } 2>&1 | tee "$out/log.txt"
+[ -n "${NO_GRID:-}" ] && exit 0
 python3 -m attnforge bench --dtype bf16 --mode fwd --backends auto,sdpa-flash,sdpa-flash-attnforge,sdpa-cudnn,fa4 \
   --out "$out/bench.json" 2>&1 | tee "$out/bench.txt"

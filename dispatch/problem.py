@@ -176,6 +176,8 @@ def check_causal(causal, name: str = "causal") -> bool:
         return causal
     if type(causal).__module__ == "numpy" and type(causal).__name__ in ("bool_", "bool"):
         return bool(causal)
+    if isinstance(causal, (bool, torch.SymBool)):  # traced with dynamic shapes (``seqlen > 1``): torch.compile guards on it
+        return bool(causal)
     raise InvalidInputError(f"{name} must be a bool (True or False), got {causal!r} of type {type(causal).__name__}")
 
 

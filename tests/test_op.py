@@ -245,3 +245,10 @@ def test_compiled_calls_decide_as_eager_and_are_reported(gen):
     assert attnforge.last_decision() is inference
     attnforge.attention(q, k, v, causal=True)
     assert attnforge.last_decision() is training
+
+
+def test_a_non_finite_scale_under_compile_is_a_clear_error(gen):
+    q, k, v = qkv(gen, requires_grad=False)
+    fn = torch.compile(lambda q, k, v, s: attnforge.attention(q, k, v, scale=s), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="scale must be a finite number"):
+        fn(q, k, v, float("nan"))

@@ -64,3 +64,37 @@ def test_generate_gives_the_same_tokens(models, gen):
     expected = ref.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False)
     got = ours.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert got.tolist() == expected.tolist() and got.shape == (2, 13)
+
+
+def test_plain_causal_mask_is_none_even_while_tracing():
+    """With no padding mask, a square causal mask is None (is_causal: the fast kernels) without reading any
+    tensor, so also under torch.compile, where transformers' own sdpa_mask materialises it."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    plain = dict(batch_size=2, q_length=17, kv_length=17, mask_function=causal_mask_function, attention_mask=None)
+    try:
+        sdpa_mask(**plain)
+    except TypeError:
+        pytest.skip("this transformers' sdpa_mask has other arguments (the mask is then transformers' own)")
+    assert integration.causal_mask(**plain) is None
+    assert integration.causal_mask(**{**plain, "q_length": 1}) is None
+    padding = torch.ones(2, 17, dtype=torch.bool)
+    padding[0, :3] = False
+    others = [dict(plain, attention_mask=padding), dict(plain, q_length=5), dict(plain, local_size=4),
+              dict(plain, allow_is_causal_skip=False), dict(plain, kv_offset=3)]
+    for kwargs in others:
+        ours, theirs = integration.causal_mask(**kwargs), sdpa_mask(**kwargs)
+        assert (ours is None and theirs is None) or torch.equal(ours, theirs), kwargs
+
+
+def test_compiled_model_runs_the_causal_kernels(models, gen):
+    """Under torch.compile the no-padding forward takes attention()'s causal path, as eager does."""
+    _, ours = models
+    ids = torch.randint(1, 128, (2, 23), generator=gen)
+    compiled = torch.compile(ours.forward, fullgraph=True)
+    attnforge.dispatch.clear_caches()
+    with torch.no_grad():
+        logits = compiled(input_ids=ids).logits
+        eager = ours(input_ids=ids).logits
+    assert {d.problem.mask for d in attnforge.decisions()} == {Mask(causal=True)}
+    torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)
