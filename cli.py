@@ -309,13 +309,33 @@ def _tune(args) -> int:
     if not torch.cuda.is_available() or torch.version.cuda is None:
         print("attnforge tune: needs an NVIDIA GPU (it times kernels on it)", file=sys.stderr)
         return 2
-    from .backends.triton_fa2 import autotune
     from .dispatch import clear_caches
 
-    doc = autotune.tune(head_dims=args.head_dim, seqlen=args.seqlen, progress=lambda m: print(m, file=sys.stderr))
+    if args.costs:
+        return _tune_costs(args)
+    from .backends.triton_fa2 import autotune
+
+    doc = autotune.tune(head_dims=args.head_dim or (64, 128), seqlen=args.seqlen, progress=lambda m: print(m, file=sys.stderr))
     path = autotune.save(doc)
     clear_caches()
     print(f"wrote {path}")
+    return 0
+
+
+def _tune_costs(args) -> int:
+    import json
+
+    from .bench import costs as bench_costs
+    from .dispatch import costs
+
+    grid = bench_costs.default_grid(**({"head_dims": args.head_dim} if args.head_dim else {}))
+    entries = bench_costs.measure_grid(grid, progress=lambda m: print(m, file=sys.stderr))
+    doc = bench_costs.table_document(entries, "attnforge tune --costs " + " ".join(sys.argv[3:]).strip())
+    costs.parse(doc, "the measured table")  # what is written is what the dispatcher can read
+    out = args.out or f"costs-{doc['arch']}.json"
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {out} ({len(entries)} entries); ship it as dispatch/costs/{doc['arch']}.json")
     return 0
 
 
@@ -363,9 +383,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-asm", action="store_true", help="write PTX and SASS next to each kernel (Triton and CuTe)")
     p.set_defaults(run=_build)
 
-    p = sub.add_parser("tune", help="time triton_fa2's rendered tiles on this GPU and keep the fastest (opt-in)")
-    p.add_argument("--head-dim", type=_csv(int), default=(64, 128))
+    p = sub.add_parser("tune", help="time triton_fa2's rendered tiles on this GPU and keep the fastest (opt-in); "
+                                  "with --costs, measure every plan for the dispatcher's cost table")
+    p.add_argument("--head-dim", type=_csv(int), default=None, help="comma list (default 64,128; with --costs "
+                                                                   "64,80,96,128,192,256)")
     p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--costs", action="store_true", help="measure each backend (and forward+backward pair) over a "
+                                                         "grid of problem classes; writes a cost table")
+    p.add_argument("--out", default=None, help="with --costs: the table's path (default costs-<arch>.json)")
     p.set_defaults(run=_tune)
 
     p = sub.add_parser("bench", help="time attnforge beside the attention kernels importable here, same inputs, same run")

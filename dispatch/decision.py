@@ -20,6 +20,7 @@ class Candidate:
     backend: str
     verdict: str
     reasons: tuple[str, ...] = ()
+    evidence: str = ""  # for a chosen or eligible plan: its predicted time and the figure's source, or "unmeasured"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,10 @@ class Decision:
     def fallback(self) -> bool:
         """True when automatic choice did not get the backend this arch is meant to get
         (a forced backend is the user's choice, not a fallback)."""
-        return self.how == "auto" and self.forward.backend != self.preferred
+        if self.how != "auto" or self.forward.backend == self.preferred:
+            return False
+        preferred = next((c for c in self.forward.candidates if c.backend == self.preferred), None)
+        return preferred is None or preferred.verdict != ELIGIBLE  # (eligible: a faster plan was measured)
 
     def to_dict(self) -> dict:
         def choice(c: Choice | None):
@@ -73,8 +77,8 @@ class Decision:
                 return None
             return {"backend": c.backend, "variant": c.variant.name if c.variant is not None else None,
                     "description": c.describe(),
-                    "candidates": [{"backend": x.backend, "verdict": x.verdict, "reasons": list(x.reasons)}
-                                   for x in c.candidates]}
+                    "candidates": [{"backend": x.backend, "verdict": x.verdict, "reasons": list(x.reasons),
+                                    "evidence": x.evidence} for x in c.candidates]}
 
         p = dataclasses.asdict(self.problem)
         p["device"]["features"] = sorted(self.problem.device.features)
@@ -94,6 +98,6 @@ class Decision:
             lines.append(f"  {label:<8}: {served}" + (f"  [{c.describe()}]" if c.describe() else ""))
             width = max(len(x.backend) for x in c.candidates) if c.candidates else 0
             for x in c.candidates:
-                reason = "; ".join(x.reasons)
+                reason = "; ".join(x.reasons) or x.evidence
                 lines.append(f"      {x.backend:<{width}}  {x.verdict:<8}  {reason}".rstrip())
         return "\n".join(lines)

@@ -14,6 +14,7 @@ import threading
 import torch
 
 from ..errors import BackendUnavailableError, UnknownNameError
+from . import costs as cost_model
 from . import registry, selfcheck
 from .decision import ABSENT, CHOSEN, ELIGIBLE, REJECTED, Candidate, Choice, Decision
 from .priority import PLANNED_BACKENDS, priority
@@ -129,39 +130,67 @@ def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...]) -
     return Choice(name, variant, candidates, note)
 
 
+def plan_name(forward: str, backward: Choice | None) -> str:
+    """A plan's name in cost tables: the forward backend, or ``forward+backward`` when grad is needed."""
+    return forward if backward is None else f"{forward}+{backward.backend}"
+
+
+def _ranked(eligible: list[str], estimates: dict, table) -> tuple[list[str], str]:
+    """The order eligible forwards are tried in, and how it was made. When the preferred eligible plan is
+    measured, the measured plans go fastest first (the unmeasured after them); otherwise the preference order
+    stands (a measurement cannot say how an unmeasured plan compares), said only where the arch has a table."""
+    if eligible and estimates.get(eligible[0]) is not None:
+        measured = sorted((n for n in eligible if estimates.get(n) is not None), key=lambda n: estimates[n].ms)
+        note = "fastest predicted" if len(measured) > 1 else "the only measured plan"
+        return measured + [n for n in eligible if estimates.get(n) is None], f"{note}, {table.source}"
+    return eligible, "" if table is None else "preference order (unmeasured)"
+
+
 @functools.lru_cache(maxsize=4096)
 def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> Decision:
     """The Decision for ``problem``: forward (and, if it needs grad, backward) backend and Variant,
-    with every candidate's verdict. Cached per (problem, forced); a new fallback is logged once."""
+    with every candidate's verdict. Among the eligible plans (a forward, or a forward+backward pair) the
+    arch's measured cost table picks the fastest where it covers the problem (dispatch/costs.py), else the
+    preference order does; a forced backend is never replaced. Cached per (problem, forced); a new
+    fallback is logged once."""
     order = priority(problem.device)
     fwd_order = (forced,) if forced else order
     bwd_order = tuple(dict.fromkeys(((forced,) if forced else ()) + order))
-    backward_of: dict[str, Choice] = {}
-    found = []  # a backend passed: later ones are only listed as eligible, not self-checked
-
-    def verdict(b: registry.Backend):
-        reasons = b.available()
-        variant = None
+    backends = registry.registered()
+    verdicts: dict[str, tuple] = {}  # name -> (variant, reasons, backward Choice or None)
+    for name in fwd_order:
+        b = backends.get(name)
+        if b is None:
+            continue
+        reasons, variant, bwd = b.available(), None, None
         if not reasons:
             variant, reasons = b.plan(problem)
         if not reasons and not forced:
             reasons = b.passed_over(problem)
-        if not reasons and not found:  # on this machine's device, a variant's first use runs its self-check
-            reasons = list(selfcheck.reasons(b, variant, problem))
         if not reasons and problem.needs_grad:
-            backward_of[b.name] = bwd = _backward(problem, b, bwd_order)
+            bwd = _backward(problem, b, bwd_order)
             if bwd.backend is None:
                 reasons = ["no backend can run the backward after its forward (see the backward candidates)"]
-        if not reasons:
-            found.append(b.name)
-        return variant, reasons
-
-    name, variant, candidates = _rank(fwd_order, verdict)
-    forward = Choice(name, variant, candidates)
+        verdicts[name] = (variant, list(reasons), bwd)
+    eligible = [n for n in fwd_order if n in verdicts and not verdicts[n][1]]
+    table = None if forced else cost_model.table(problem.device.arch)
+    mode = "fwd+bwd" if problem.needs_grad else "fwd"
+    estimates = {n: table.estimate(plan_name(n, verdicts[n][2]), problem, mode) for n in eligible} if table else {}
+    ranked, note = _ranked(eligible, estimates, table)
+    name = None
+    for candidate in ranked:  # on this machine's device, a variant's first use runs its self-check
+        variant, _, _ = verdicts[candidate]
+        checks = list(selfcheck.reasons(backends[candidate], variant, problem))
+        if not checks:
+            name = candidate
+            break
+        verdicts[candidate] = (variant, checks, None)
+    candidates = tuple(_candidate(n, verdicts, name, estimates, table) for n in fwd_order)
+    forward = Choice(name, verdicts[name][0] if name else None, candidates,
+                     note=note if name and len(eligible) > 1 else "")
     if problem.needs_grad:
-        backward = backward_of.get(name) or next(iter(backward_of.values()), None)
-        if backward is None:  # nothing served the forward; show why the backward could not be chosen either
-            backward = Choice(None, None, ())
+        backward = verdicts[name][2] if name else next((v[2] for v in verdicts.values() if v[2]), None)
+        backward = backward or Choice(None, None, ())  # nothing served the forward: show why
     else:
         backward = None
     decision = Decision(problem, how, order[0], forward, backward)
@@ -170,6 +199,17 @@ def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> De
         # no "attnforge:" prefix: the logger's name says it, and handlers that show the name printed it twice
         logger.info("%s -> %s instead of %s (%s)", problem.describe(), name, order[0], why)
     return decision
+
+
+def _candidate(name: str, verdicts: dict, chosen: str | None, estimates: dict, table) -> Candidate:
+    if name not in verdicts:
+        return Candidate(name, ABSENT, ("not in this build of attnforge",))
+    _, reasons, _ = verdicts[name]
+    if reasons:
+        return Candidate(name, REJECTED, tuple(reasons))
+    estimate = estimates.get(name)
+    evidence = estimate.describe() if estimate else ("unmeasured" if table is not None else "")
+    return Candidate(name, CHOSEN if name == chosen else ELIGIBLE, (), evidence)
 
 
 # call signature -> (generation, Decision): the pair last_decision() keeps, made once per signature

@@ -1,0 +1,122 @@
+"""``attnforge tune --costs``: measure each eligible plan (a forward backend; with grad, a forward+backward
+pair) of this GPU over a grid of problem classes, and write the cost table the dispatcher ranks plans by
+(dispatch/costs.py). Each plan runs forced, on the same fresh random inputs as the others, timed by
+bench.measure.time_ms (CUDA-event medians); the FLOPs are dispatch.costs.flops."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import subprocess
+
+import torch
+
+import attnforge
+from attnforge.dispatch import costs, priority
+from attnforge.dispatch.device import detect
+from attnforge.dispatch.problem import DTYPES
+from attnforge.dispatch.select import plan_name
+
+from . import measure
+
+# Never timed: the reference materialises N x N scores (it exists for correctness, not speed).
+UNTIMED = ("reference",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool
+    modes: tuple[str, ...] = costs.MODES
+
+
+def default_grid(head_dims=(64, 80, 96, 128, 192, 256)) -> list[Shape]:
+    """16k tokens per call at 2048 / head_dim query heads (FlashAttention's benchmark shape), at 512..16k
+    tokens per sequence, MHA and GQA 4:1, full and causal; plus cross-attention (Nq << Nk), decode (Nq = 1,
+    forward only) and one long sequence, at head dim 128."""
+    grid = []
+    for d, seqlen, causal, group in itertools.product(head_dims, (512, 1024, 4096, 16384), (False, True), (1, 4)):
+        heads = max(group, 2048 // d // group * group)
+        grid.append(Shape(max(1, 16384 // seqlen), heads, heads // group, seqlen, seqlen, d, causal))
+    grid += [Shape(8, 16, 4, 512, 8192, 128, False),  # cross-attention / chunked prefill against a long context
+             Shape(64, 32, 8, 1, 8192, 128, False, ("fwd",)),  # decode against 8k cached keys
+             Shape(1, 16, 4, 65536, 65536, 128, True)]
+    return grid
+
+
+def _inputs(shape: Shape, dtype, gen):
+    def rand(heads, seqlen):
+        return torch.randn(shape.batch, heads, seqlen, shape.head_dim, device="cuda", generator=gen).to(dtype)
+    q, k, v = rand(shape.heads_q, shape.seqlen_q), rand(shape.heads_kv, shape.seqlen_k), rand(shape.heads_kv, shape.seqlen_k)
+    return q, k, v, torch.randn(q.shape, device="cuda", generator=gen).to(dtype)
+
+
+def _runner(q, k, v, dout, causal, backend, mode):
+    if mode == "fwd":
+        def run():
+            with torch.no_grad():
+                attnforge.attention(q, k, v, causal=causal, backend=backend)
+        return run
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def run():
+        torch.autograd.grad(attnforge.attention(q, k, v, causal=causal, backend=backend), (q, k, v), dout)
+    return run
+
+
+def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 10, rep_ms: float = 60,
+                 progress=print) -> list[dict]:
+    """One entry per (shape, mode, plan) that ran: its TFLOP/s (dispatch.costs.flops over the median)."""
+    device = detect(torch.device("cuda"))
+    names = [n for n in priority.priority(device) if n not in UNTIMED]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    entries = []
+    for i, shape in enumerate(grid, 1):
+        q, k, v, dout = _inputs(shape, DTYPES[dtype], gen)
+        for mode in shape.modes:
+            for name in names:
+                decision = attnforge.explain(q, k, v, causal=shape.causal, needs_grad=mode == "fwd+bwd", backend=name)
+                if not decision.ok:
+                    continue
+                plan = plan_name(name, decision.backward)
+                try:
+                    ms = measure.time_ms(_runner(q, k, v, dout, shape.causal, name, mode), q.device, warmup_ms,
+                                         rep_ms)[0]
+                except Exception as exc:  # a plan that fails here is left out of the table, and said
+                    progress(f"  {plan} {mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+                    continue
+                tflops = costs.flops(decision.problem, mode) / (ms * 1e-3) / 1e12
+                entries.append({"plan": plan, "mode": mode, "dtype": dtype, "head_dim": shape.head_dim,
+                                "head_dim_v": shape.head_dim, "causal": shape.causal, "batch": shape.batch,
+                                "heads_q": shape.heads_q, "heads_kv": shape.heads_kv, "seqlen_q": shape.seqlen_q,
+                                "seqlen_k": shape.seqlen_k, "tflops": round(tflops, 1), "ms": round(ms, 4)})
+        progress(f"[{i}/{len(grid)}] {shape}: " + ", ".join(
+            f"{e['plan']} {e['mode']} {e['tflops']:.0f}" for e in entries if _same(e, shape)))
+    return entries
+
+
+def _same(entry: dict, shape: Shape) -> bool:
+    return all(entry[f] == getattr(shape, f) for f in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k",
+                                                         "head_dim", "causal"))
+
+
+def table_document(entries: list[dict], command: str) -> dict:
+    """The cost-table document (dispatch.costs.SCHEMA) for this machine's GPU."""
+    device = detect(torch.device("cuda"))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    env = measure.environment(torch.device("cuda"))
+    versions = {k: env.get(k) for k in ("torch", "cuda", "cudnn", "triton", "nvidia_cutlass_dsl", "attnforge")}
+    return {"schema": costs.SCHEMA, "arch": device.arch, "device": device.name,
+            "measured": datetime.date.today().isoformat(), "command": command, "commit": commit,
+            "versions": versions, "flop_formula": costs.flops.__doc__.strip(),
+            "timing": measure.TIMING, "entries": entries}

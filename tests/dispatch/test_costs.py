@@ -1,0 +1,124 @@
+"""The measured cost model: tables are validated data, predictions come from the nearest measured class (or
+none), and the dispatcher ranks eligible plans by them, showing the evidence; forcing still wins."""
+
+import json
+from importlib import resources
+
+import pytest
+
+import attnforge
+from attnforge.dispatch import costs, select
+from attnforge.dispatch.costs import CostTableError
+
+SHAPE = dict(dtype="bf16", head_dim=128, head_dim_v=128, causal=True, batch=4, heads_q=16, heads_kv=16,
+             seqlen_q=4096, seqlen_k=4096)
+
+
+def doc(*entries, arch="sm90"):
+    return {"schema": costs.SCHEMA, "arch": arch, "device": "NVIDIA H100", "measured": "2026-12-01",
+            "command": "attnforge tune --costs", "entries": [dict(SHAPE, **e) for e in entries]}
+
+
+def explain(**kw):
+    args = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, batch=4, heads=16, causal=True)
+    return attnforge.explain(**{**args, **kw})
+
+
+@pytest.fixture
+def table(monkeypatch):
+    """Install a cost table for sm90 (the H100 profile) for one test."""
+    def install(*entries):
+        t = costs.parse(doc(*entries), "test")
+        monkeypatch.setattr(costs, "table", lambda arch: t if arch == "sm90" else None)
+        select.clear_caches()
+        return t
+    yield install
+    select.clear_caches()
+
+
+def test_the_faster_measured_plan_is_chosen_with_its_evidence(table):
+    table({"plan": "cute_sm90", "mode": "fwd", "tflops": 400.0}, {"plan": "sdpa", "mode": "fwd", "tflops": 500.0},
+          {"plan": "triton_fa2", "mode": "fwd", "tflops": 300.0})
+    d = explain()
+    assert d.forward.backend == "sdpa" and not d.fallback
+    assert "fastest predicted, measured on NVIDIA H100 2026-12-01" in d.forward.note
+    evidence = {c.backend: c.evidence for c in d.forward.candidates}
+    assert evidence["sdpa"].startswith("predicted") and "500 TFLOP/s" in evidence["sdpa"]
+    assert "400 TFLOP/s" in evidence["cute_sm90"] and evidence["reference"] == "unmeasured"
+    assert "500 TFLOP/s" in str(d) and d.to_dict()["forward"]["candidates"][0]["evidence"]
+
+
+def test_training_ranks_forward_backward_pairs(table):
+    table({"plan": "cute_sm90+triton_fa2", "mode": "fwd+bwd", "tflops": 400.0},
+          {"plan": "sdpa+sdpa", "mode": "fwd+bwd", "tflops": 450.0},
+          {"plan": "cute_sm90", "mode": "fwd", "tflops": 600.0}, {"plan": "sdpa", "mode": "fwd", "tflops": 500.0})
+    d = explain(needs_grad=True)
+    assert (d.forward.backend, d.backward.backend) == ("sdpa", "sdpa")
+    assert explain().forward.backend == "cute_sm90"  # inference: the forward's own figures
+
+
+def test_unmeasured_preferred_plan_keeps_the_preference_order(table):
+    table({"plan": "sdpa", "mode": "fwd", "tflops": 900.0})
+    d = explain()
+    assert d.forward.backend == "cute_sm90" and d.forward.note == "preference order (unmeasured)"
+
+
+def test_forcing_wins_over_the_model(table):
+    table({"plan": "cute_sm90", "mode": "fwd", "tflops": 100.0}, {"plan": "sdpa", "mode": "fwd", "tflops": 900.0})
+    assert explain(backend="cute_sm90").forward.backend == "cute_sm90"
+
+
+def test_a_rejected_faster_plan_is_not_chosen(table):
+    table({"plan": "cute_sm90", "mode": "fwd", "tflops": 400.0}, {"plan": "sdpa", "mode": "fwd", "tflops": 900.0})
+    d = explain(return_lse=True)  # sdpa gives no LSE
+    assert d.forward.backend == "cute_sm90" and d.forward.reasons_of("sdpa")
+
+
+def test_estimates_come_from_the_nearest_class_within_a_factor_of_two():
+    t = costs.parse(doc({"plan": "x", "mode": "fwd", "tflops": 500.0},
+                        {"plan": "x", "mode": "fwd", "tflops": 250.0, "seqlen_q": 1024, "seqlen_k": 1024,
+                         "batch": 16}), "test")
+    near = attnforge.Problem(batch=2, heads_q=16, heads_kv=16, seqlen_q=7000, seqlen_k=7000, head_dim=128,
+                             head_dim_v=128, dtype="fp16", device=attnforge.profile("H100"),
+                             mask=attnforge.dispatch.mask.CAUSAL)
+    e = t.estimate("x", near, "fwd")
+    assert e.tflops == 500.0 and e.ms == pytest.approx(costs.flops(near, "fwd") / 500e12 * 1e3)
+    import dataclasses
+    assert t.estimate("x", dataclasses.replace(near, seqlen_q=1100, seqlen_k=1100, batch=14), "fwd").tflops == 250.0
+    for far in (dict(seqlen_q=1, seqlen_k=1), dict(head_dim=64, head_dim_v=64), dict(mask=attnforge.dispatch.mask.NONE),
+                dict(heads_kv=4), dict(dtype="fp8")):
+        assert t.estimate("x", dataclasses.replace(near, **far), "fwd") is None, far
+    assert t.estimate("x", near, "fwd+bwd") is None and t.estimate("y", near, "fwd") is None
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda d: d.update(schema="other"), "not an attnforge-costs/1 document"),
+    (lambda d: d.pop("device"), "'device' must be a non-empty string"),
+    (lambda d: d.update(entries={}), "'entries' must be a list"),
+    (lambda d: d["entries"][0].update(tflops=-1.0), "tflops positive and finite"),
+    (lambda d: d["entries"][0].update(tflops=float("nan")), "tflops positive and finite"),
+    (lambda d: d["entries"][0].update(mode="bwd"), "mode must be one of"),
+    (lambda d: d["entries"][0].update(head_dim="128"), "'head_dim' must be int"),
+    (lambda d: d["entries"][0].update(causal=1), "'causal' must be bool"),
+    (lambda d: d["entries"][0].update(batch=True), "'batch' must be int"),
+])
+def test_a_table_is_validated(change, match):
+    d = doc({"plan": "x", "mode": "fwd", "tflops": 1.0})
+    change(d)
+    with pytest.raises(CostTableError, match=match):
+        costs.parse(d, "test")
+
+
+def test_a_table_that_does_not_validate_is_ignored_with_a_warning(caplog):
+    assert costs.from_text("{not json", "sm90") is None
+    assert costs.from_text(json.dumps(doc({"plan": "x", "mode": "fwd", "tflops": 1.0}, arch="sm80")), "sm90") is None
+    assert "ignoring" in caplog.text
+
+
+def test_shipped_tables_validate():
+    folder = resources.files("attnforge.dispatch").joinpath("costs")
+    shipped = [p for p in folder.iterdir() if p.name.endswith(".json")] if folder.is_dir() else []
+    for path in shipped:
+        arch = path.name[:-len(".json")]
+        t = costs.parse(json.loads(path.read_text()), path.name)
+        assert t.arch == arch and t.entries and costs.table(arch) is not None
