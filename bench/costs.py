@@ -13,8 +13,9 @@ import subprocess
 import torch
 
 import attnforge
-from attnforge.dispatch import costs, priority
+from attnforge.dispatch import costs
 from attnforge.dispatch.device import detect
+from attnforge.dispatch.priority import priority
 from attnforge.dispatch.problem import DTYPES
 from attnforge.dispatch.select import plan_name
 
@@ -50,11 +51,11 @@ def default_grid(head_dims=(64, 80, 96, 128, 192, 256)) -> list[Shape]:
     return grid
 
 
-def _inputs(shape: Shape, dtype, gen):
+def _inputs(shape: Shape, dtype, gen, device):
     def rand(heads, seqlen):
-        return torch.randn(shape.batch, heads, seqlen, shape.head_dim, device="cuda", generator=gen).to(dtype)
+        return torch.randn(shape.batch, heads, seqlen, shape.head_dim, device=device, generator=gen).to(dtype)
     q, k, v = rand(shape.heads_q, shape.seqlen_q), rand(shape.heads_kv, shape.seqlen_k), rand(shape.heads_kv, shape.seqlen_k)
-    return q, k, v, torch.randn(q.shape, device="cuda", generator=gen).to(dtype)
+    return q, k, v, torch.randn(q.shape, device=device, generator=gen).to(dtype)
 
 
 def _runner(q, k, v, dout, causal, backend, mode):
@@ -71,14 +72,13 @@ def _runner(q, k, v, dout, causal, backend, mode):
 
 
 def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 10, rep_ms: float = 60,
-                 progress=print) -> list[dict]:
+                 progress=print, device: str = "cuda") -> list[dict]:
     """One entry per (shape, mode, plan) that ran: its TFLOP/s (dispatch.costs.flops over the median)."""
-    device = detect(torch.device("cuda"))
-    names = [n for n in priority.priority(device) if n not in UNTIMED]
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    names = [n for n in priority(detect(torch.device(device))) if n not in UNTIMED]
+    gen = torch.Generator(device=device).manual_seed(0)
     entries = []
     for i, shape in enumerate(grid, 1):
-        q, k, v, dout = _inputs(shape, DTYPES[dtype], gen)
+        q, k, v, dout = _inputs(shape, DTYPES[dtype], gen, device)
         for mode in shape.modes:
             for name in names:
                 decision = attnforge.explain(q, k, v, causal=shape.causal, needs_grad=mode == "fwd+bwd", backend=name)
@@ -95,7 +95,7 @@ def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 10, 
                 entries.append({"plan": plan, "mode": mode, "dtype": dtype, "head_dim": shape.head_dim,
                                 "head_dim_v": shape.head_dim, "causal": shape.causal, "batch": shape.batch,
                                 "heads_q": shape.heads_q, "heads_kv": shape.heads_kv, "seqlen_q": shape.seqlen_q,
-                                "seqlen_k": shape.seqlen_k, "tflops": round(tflops, 1), "ms": round(ms, 4)})
+                                "seqlen_k": shape.seqlen_k, "tflops": float(f"{tflops:.4g}"), "ms": float(f"{ms:.4g}")})
         progress(f"[{i}/{len(grid)}] {shape}: " + ", ".join(
             f"{e['plan']} {e['mode']} {e['tflops']:.0f}" for e in entries if _same(e, shape)))
     return entries
@@ -106,17 +106,17 @@ def _same(entry: dict, shape: Shape) -> bool:
                                                          "head_dim", "causal"))
 
 
-def table_document(entries: list[dict], command: str) -> dict:
+def table_document(entries: list[dict], command: str, device: str = "cuda") -> dict:
     """The cost-table document (dispatch.costs.SCHEMA) for this machine's GPU."""
-    device = detect(torch.device("cuda"))
+    spec = detect(torch.device(device))
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    env = measure.environment(torch.device("cuda"))
+    env = measure.environment(torch.device(device))
     versions = {k: env.get(k) for k in ("torch", "cuda", "cudnn", "triton", "nvidia_cutlass_dsl", "attnforge")}
-    return {"schema": costs.SCHEMA, "arch": device.arch, "device": device.name,
+    return {"schema": costs.SCHEMA, "arch": spec.arch, "device": spec.name,
             "measured": datetime.date.today().isoformat(), "command": command, "commit": commit,
             "versions": versions, "flop_formula": costs.flops.__doc__.strip(),
             "timing": measure.TIMING, "entries": entries}

@@ -122,3 +122,20 @@ def test_shipped_tables_validate():
         arch = path.name[:-len(".json")]
         t = costs.parse(json.loads(path.read_text()), path.name)
         assert t.arch == arch and t.entries and costs.table(arch) is not None
+
+
+def test_the_tuner_writes_a_table_the_dispatcher_reads():
+    """attnforge tune --costs's pieces on the CPU (sdpa is the only timed plan there): the document validates."""
+    from attnforge.bench import costs as bench_costs
+
+    grid = [bench_costs.Shape(1, 2, 1, 17, 33, 16, True)]
+    entries = bench_costs.measure_grid(grid, dtype="fp32", warmup_ms=1, rep_ms=2, progress=lambda m: None,
+                                       device="cpu")
+    assert {(e["plan"], e["mode"]) for e in entries} == {("sdpa", "fwd"), ("sdpa+sdpa", "fwd+bwd")}
+    assert all(e["tflops"] > 0 for e in entries)
+    document = bench_costs.table_document(entries, "attnforge tune --costs", device="cpu")
+    t = costs.parse(json.loads(json.dumps(document)), "test")
+    assert t.arch == "cpu" and document["versions"]["torch"] == __import__("torch").__version__
+    p = attnforge.Problem(batch=1, heads_q=2, heads_kv=1, seqlen_q=17, seqlen_k=33, head_dim=16, head_dim_v=16,
+                          dtype="fp32", device=attnforge.profile("H100"), mask=attnforge.dispatch.mask.CAUSAL)
+    assert t.estimate("sdpa", p, "fwd") is not None
