@@ -1,0 +1,91 @@
+"""Does attnforge's automatic choice match the fastest plan it has? On realistic model shapes (GQA prefill, odd
+lengths, head dims 80/96, many short sequences, cross-attention, decode, one long sequence, d=256), forward
+and forward+backward: attnforge auto, every backend forced, and stock ``F.scaled_dot_product_attention``
+(torch's default choice), on the same inputs, one after another per row (CUDA-event medians of
+bench.measure.time_ms; kernel speed). TFLOP/s by dispatch.costs.flops. Prints auto's ratio to the fastest
+and the evidence its Decision chose by.
+
+    python benchmarks/dispatch_check.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+import attnforge
+from attnforge.bench import measure
+from attnforge.dispatch import costs
+
+# (label, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, modes)
+SHAPES = [
+    ("GQA 32/8 prefill 8k causal", 2, 32, 8, 8192, 8192, 128, True, ("fwd", "fwd+bwd")),
+    ("odd length 1023 causal", 8, 16, 16, 1023, 1023, 128, True, ("fwd", "fwd+bwd")),
+    ("head dim 80, 4k", 4, 32, 32, 4096, 4096, 80, False, ("fwd", "fwd+bwd")),
+    ("head dim 96, 4k", 4, 24, 24, 4096, 4096, 96, False, ("fwd", "fwd+bwd")),
+    ("32 x 512 causal, d=64", 32, 32, 32, 512, 512, 64, True, ("fwd", "fwd+bwd")),
+    ("cross-attention 256 x 8k", 8, 16, 4, 256, 8192, 128, False, ("fwd", "fwd+bwd")),
+    ("decode 1 x 8k, batch 64, GQA 32/8", 64, 32, 8, 1, 8192, 128, False, ("fwd",)),
+    ("long 64k causal, GQA 16/4", 1, 16, 4, 65536, 65536, 128, True, ("fwd", "fwd+bwd")),
+    ("d=256 causal 8k", 2, 8, 8, 8192, 8192, 256, True, ("fwd", "fwd+bwd")),
+]
+BACKENDS = ("cute_sm90", "triton_fa2", "sdpa")
+
+
+def runner(fn, q, k, v, dout, mode):
+    if mode == "fwd":
+        def run():
+            with torch.no_grad():
+                fn(q, k, v)
+        return run
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for label, b, hq, hkv, nq, nk, d, causal, modes in SHAPES:
+        def rand(h, n):
+            return torch.randn(b, h, n, d, device="cuda", generator=gen).bfloat16()
+        q, k, v = rand(hq, nq), rand(hkv, nk), rand(hkv, nk)
+        dout = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
+        for mode in modes:
+            decision = attnforge.explain(q, k, v, causal=causal, needs_grad=mode == "fwd+bwd")
+            impls = {"auto": lambda q, k, v: attnforge.attention(q, k, v, causal=causal)}
+            for name in BACKENDS:
+                if attnforge.explain(q, k, v, causal=causal, needs_grad=mode == "fwd+bwd", backend=name).ok:
+                    impls[name] = lambda q, k, v, name=name: attnforge.attention(q, k, v, causal=causal, backend=name)
+            if not causal or nq == nk:  # SDPA's is_causal is top-left: the same mask only when square
+                impls["torch SDPA"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                                      enable_gqa=hq != hkv)
+            flop = costs.flops(decision.problem, mode)
+            tflops = {}
+            for name, fn in impls.items():
+                ms = measure.time_ms(runner(fn, q, k, v, dout, mode), q.device, 25, 150)[0]
+                tflops[name] = flop / (ms * 1e-3) / 1e12
+            best = max((n for n in tflops if n != "auto"), key=tflops.get)
+            row = {"shape": label, "mode": mode, "tflops": {n: round(t, 1) for n, t in tflops.items()},
+                   "fastest": best, "auto_vs_fastest": round(tflops["auto"] / tflops[best], 3),
+                   "auto_chose": [decision.forward.backend, decision.backward.backend if decision.backward else None],
+                   "note": decision.forward.note,
+                   "evidence": {c.backend: c.evidence for c in decision.forward.candidates if c.evidence}}
+            rows.append(row)
+            print(f"{label:36s} {mode:8s} auto={tflops['auto']:6.1f} ({'+'.join(filter(None, row['auto_chose']))}) "
+                  + " ".join(f"{n}={t:.1f}" for n, t in tflops.items() if n != "auto")
+                  + f"  auto/fastest={row['auto_vs_fastest']:.3f}  [{row['note']}]", flush=True)
+    worst = min(rows, key=lambda r: r["auto_vs_fastest"])
+    print(f"worst auto/fastest: {worst['auto_vs_fastest']} ({worst['shape']}, {worst['mode']})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": measure.environment(torch.device("cuda")), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
