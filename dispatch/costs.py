@@ -7,8 +7,9 @@ when loaded, and a table that does not validate is ignored with a warning (the d
 preference order), never half-read.
 
 Prediction: the entry of the same plan, mode, dtype class, head dims, causality and GQA-ness whose shape is
-nearest in log2 of (seqlen_q, seqlen_k, batch x heads_q), each within a factor of 2; the predicted time is the
-problem's FLOPs over that entry's TFLOP/s. fp16 uses bf16's figures (the same kernels and tiles). Anything
+nearest in log2 of (seqlen_q, seqlen_k, batch x heads_q), each within a factor of 2 (entries equally near, as
+for a problem between two measured classes, are averaged); the predicted time is the problem's FLOPs over
+that TFLOP/s. fp16 uses bf16's figures (the same kernels and tiles). Anything
 else is "unmeasured".
 """
 
@@ -81,17 +82,22 @@ class CostTable:
     def estimate(self, plan: str, problem: Problem, mode: str) -> Estimate | None:
         """The predicted time of ``plan`` on ``problem`` (None: no entry covers its class)."""
         dtype = _DTYPE_CLASS.get(problem.dtype, problem.dtype)
-        best, distance = None, math.inf
+        nearest, distance = [], math.inf
         for e in self._by_class.get((plan, mode, dtype, problem.head_dim, problem.head_dim_v, problem.causal,
                                      problem.gqa), ()):
             parts = [abs(math.log2(max(a, 1) / max(b, 1))) for a, b in (
                 (problem.seqlen_q, e.seqlen_q), (problem.seqlen_k, e.seqlen_k),
                 (problem.batch * problem.heads_q, e.batch * e.heads_q))]
-            if max(parts) <= _REACH and sum(parts) < distance:
-                best, distance = e, sum(parts)
-        if best is None or not problem.seqlen_q or not problem.seqlen_k:
+            if max(parts) > _REACH:
+                continue
+            if sum(parts) < distance - 1e-9:
+                nearest, distance = [e], sum(parts)
+            elif sum(parts) <= distance + 1e-9:
+                nearest.append(e)  # as near as the nearest (a problem between two measured classes): averaged
+        if not nearest or not problem.seqlen_q or not problem.seqlen_k:
             return None
-        return Estimate(flops(problem, mode) / (best.tflops * 1e12) * 1e3, best.tflops, self.source)
+        tflops = sum(e.tflops for e in nearest) / len(nearest)
+        return Estimate(flops(problem, mode) / (tflops * 1e12) * 1e3, tflops, self.source)
 
     @functools.cached_property
     def _by_class(self) -> dict:

@@ -143,7 +143,7 @@ def _ranked(eligible: list[str], estimates: dict, table) -> tuple[list[str], str
         measured = sorted((n for n in eligible if estimates.get(n) is not None), key=lambda n: estimates[n].ms)
         note = "fastest predicted" if len(measured) > 1 else "the only measured plan"
         return measured + [n for n in eligible if estimates.get(n) is None], f"{note}, {table.source}"
-    return eligible, "" if table is None else "preference order (unmeasured)"
+    return eligible, "" if table is None else "preference order: unmeasured"
 
 
 @functools.lru_cache(maxsize=4096)

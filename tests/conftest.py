@@ -38,6 +38,17 @@ def _clean_state(monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _priority_order(request, monkeypatch):
+    """Tests see the priority order unless marked ``cost_tables``: what a backend serves and how the order
+    falls back is their subject; the shipped measured tables (which re-rank eligible plans) have their own
+    tests (tests/dispatch/test_costs.py)."""
+    if request.node.get_closest_marker("cost_tables") is None:
+        from attnforge.dispatch import costs
+
+        monkeypatch.setattr(costs, "table", lambda arch: None)
+
+
 @pytest.fixture
 def gen(request):
     """A generator seeded from the session seed and the test's id."""

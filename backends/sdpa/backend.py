@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
-from torch.nn.attention.bias import causal_lower_right
 
 from ...dispatch.device import TORCH_ONLY
 from ...dispatch.problem import DTYPES, Problem
@@ -113,6 +112,8 @@ def _lower_right(q, k, v, kwargs):
     (masked by index, as its own _dispatch decides) that is all; where it adds the materialised bias to the
     scores, a hidden NaN key would spread: the keys any row cannot see are the last seqlen_q - 1, so NaN keys
     among them are zeroed and the rows that see one are set to NaN (O(seqlen_q) work besides one copy of k)."""
+    from torch.nn.attention.bias import causal_lower_right  # (here: importing it pulls in dynamo, ~0.8 s)
+
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     bias = causal_lower_right(seqlen_q, seqlen_k)
     if seqlen_q == 1 or _fused_lower_right(q, k, v, kwargs):

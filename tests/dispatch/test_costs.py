@@ -60,7 +60,7 @@ def test_training_ranks_forward_backward_pairs(table):
 def test_unmeasured_preferred_plan_keeps_the_preference_order(table):
     table({"plan": "sdpa", "mode": "fwd", "tflops": 900.0})
     d = explain()
-    assert d.forward.backend == "cute_sm90" and d.forward.note == "preference order (unmeasured)"
+    assert d.forward.backend == "cute_sm90" and d.forward.note == "preference order: unmeasured"
 
 
 def test_forcing_wins_over_the_model(table):
@@ -89,6 +89,8 @@ def test_estimates_come_from_the_nearest_class_within_a_factor_of_two():
                 dict(heads_kv=4), dict(dtype="fp8")):
         assert t.estimate("x", dataclasses.replace(near, **far), "fwd") is None, far
     assert t.estimate("x", near, "fwd+bwd") is None and t.estimate("y", near, "fwd") is None
+    between = dataclasses.replace(near, seqlen_q=2048, seqlen_k=2048, batch=8)  # a factor of 2 from each entry
+    assert t.estimate("x", between, "fwd").tflops == 375.0
 
 
 @pytest.mark.parametrize("change,match", [
@@ -115,6 +117,7 @@ def test_a_table_that_does_not_validate_is_ignored_with_a_warning(caplog):
     assert "ignoring" in caplog.text
 
 
+@pytest.mark.cost_tables
 def test_shipped_tables_validate():
     folder = resources.files("attnforge.dispatch").joinpath("costs")
     shipped = [p for p in folder.iterdir() if p.name.endswith(".json")] if folder.is_dir() else []
@@ -139,3 +142,20 @@ def test_the_tuner_writes_a_table_the_dispatcher_reads():
     p = attnforge.Problem(batch=1, heads_q=2, heads_kv=1, seqlen_q=17, seqlen_k=33, head_dim=16, head_dim_v=16,
                           dtype="fp32", device=attnforge.profile("H100"), mask=attnforge.dispatch.mask.CAUSAL)
     assert t.estimate("sdpa", p, "fwd") is not None
+
+
+@pytest.mark.cost_tables
+def test_the_shipped_h200_table_routes_by_its_measurements():
+    """What dispatch/costs/sm90.json measured on the H200: cuDNN's pair trains fastest at d=256 and at 32 x 512,
+    cute_sm90 serves long forwards, sdpa serves d=96 and decode."""
+    if costs.table("sm90") is None:
+        pytest.skip("no sm90 cost table in this build")
+    d = explain(device="H200", head_dim=256, seqlen_q=8192, batch=2, heads=8, needs_grad=True)
+    assert (d.forward.backend, d.backward.backend) == ("sdpa", "sdpa") and not d.fallback
+    assert "measured on NVIDIA H200" in d.forward.note
+    assert explain(device="H200", seqlen_q=16384, batch=1).forward.backend == "cute_sm90"
+    assert explain(device="H200", head_dim=96, seqlen_q=4096, heads=24, causal=False).forward.backend == "sdpa"
+    decode = explain(device="H200", seqlen_q=1, seqlen_k=8192, batch=64, heads=32, kv_heads=8, causal=False)
+    assert decode.forward.backend == "sdpa"
+    fp8 = explain(device="H200", dtype="fp8", seqlen_q=16384, batch=1)
+    assert fp8.forward.backend == "cute_sm90" and fp8.forward.candidates[0].evidence == "unmeasured"
