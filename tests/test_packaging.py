@@ -25,3 +25,15 @@ def test_installed_package_has_its_templates():
 
     templates = files("attnforge") / "templates"
     assert (templates / "header.jinja").is_file()
+
+
+def test_import_and_a_first_call_do_not_pull_in_dynamo():
+    """`import attnforge` and a first causal call (its self-check runs a non-square tiny problem) stay clear of
+    torch.nn.attention.bias, whose import pulls in dynamo (~1 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, attnforge; q = torch.randn(1, 2, 33, 16); attnforge.attention(q, q, q, causal=True); "
+            "print('torch.nn.attention.bias' in sys.modules, 'torch._dynamo.convert_frame' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]

@@ -107,22 +107,31 @@ def _mask_tensor(q, k, v, attn_mask, kwargs):
     return out.masked_fill(blind[..., None], 0.0)
 
 
+# At most this many (query, key) pairs, the lower-right mask is materialised here rather than asked of
+# torch.nn.attention.bias, whose import pulls in dynamo (~1 s on a first call): tiny calls, such as the
+# self-check's, stay fast to start, and at that size the mask is smaller than one tile of scores.
+_MATERIALISE_AT_MOST = 1 << 16
+
+
 def _lower_right(q, k, v, kwargs):
     """Causal with seqlen_q < seqlen_k through SDPA's lower-right bias. Where torch runs it in a fused kernel
-    (masked by index, as its own _dispatch decides) that is all; where it adds the materialised bias to the
-    scores, a hidden NaN key would spread: the keys any row cannot see are the last seqlen_q - 1, so NaN keys
-    among them are zeroed and the rows that see one are set to NaN (O(seqlen_q) work besides one copy of k)."""
-    from torch.nn.attention.bias import causal_lower_right  # (here: importing it pulls in dynamo, ~0.8 s)
-
+    (masked by index, as its own _dispatch decides) that is all; where the mask is materialised and added to
+    the scores, a hidden NaN key would spread: the keys any row cannot see are the last seqlen_q - 1, so NaN
+    keys among them are zeroed and the rows that see one are set to NaN (O(seqlen_q) work besides one copy
+    of k)."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    bias = causal_lower_right(seqlen_q, seqlen_k)
-    if seqlen_q == 1 or _fused_lower_right(q, k, v, kwargs):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, **kwargs)
+    if seqlen_q == 1:  # the one query sees every key
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if seqlen_q * seqlen_k > _MATERIALISE_AT_MOST and _fused_lower_right(q, k, v, kwargs):
+        from torch.nn.attention.bias import causal_lower_right
+
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(seqlen_q, seqlen_k), **kwargs)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(seqlen_k - seqlen_q)
     first = seqlen_k - seqlen_q + 1  # keys before it are seen by every row
     tail = k[:, :, first:]
     nan_key = tail.isnan().any(-1)  # (batch, heads_kv, seqlen_q - 1): tail key t is seen by rows i > t
     k = torch.cat((k[:, :, :first], tail.masked_fill(nan_key[..., None], 0.0)), 2)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, **kwargs)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, **kwargs)
     sees_nan = F.pad(nan_key, (1, 0)).cumsum(-1) > 0  # row i: any NaN among tail keys t < i
     return out.masked_fill(sees_nan.repeat_interleave(q.shape[1] // k.shape[1], 1)[..., None], float("nan"))
 
