@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -89,7 +90,8 @@ class _Attention(torch.autograd.Function):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               scale: float | None = None, dropout_p: float = 0.0, layout: str = "bhsd",
               return_lse: bool = False, backend: str | None = None, q_descale: torch.Tensor | None = None,
-              k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None):
+              k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
+              window_size: tuple[int, int] = (-1, -1)):
     """Exact attention softmax(q k^T * scale) v on the best backend for the device, dtype and shapes.
 
     q: (batch, heads_q, seqlen_q, head_dim), k: (batch, heads_kv, seqlen_k, head_dim),
@@ -101,6 +103,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     in fp32 (fp64 for fp64 inputs; -inf for rows that see no key), differentiable. ``backend`` forces one backend (see use_backend).
     FP8 (float8_e4m3fn q, k, v): the output is bf16, and ``q_descale``/``k_descale``/``v_descale``
     (fp32, (batch, heads_kv), positive, default 1) dequantise: the result is attention of descale * x.
+    ``window_size=(left, right)``: a sliding window, FlashAttention's: query i sees key j iff
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, -1 meaning unbounded; with
+    ``causal``, right is 0.
     """
     # (getattr: q may be anything here; the validation in _run names what is wrong)
     fp8 = getattr(q, "dtype", None) == torch.float8_e4m3fn
@@ -111,16 +116,42 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         if not fp8 or not isinstance(k, torch.Tensor) or k.dim() != 4:
             validate_tensors(q, k, v, layout)  # names a q, k or v that is not a tensor first
         descale = _fp8_descale(q, k, descales, layout)
-        return _run(q, k, v, _causal_mask(causal), scale, dropout_p, layout, return_lse, backend, descale=descale)
+        return _run(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend,
+                    descale=descale)
     if torch.compiler.is_compiling():
-        return _traced(q, k, v, _causal_mask(causal), scale, dropout_p, layout, return_lse, backend)
-    mask = CAUSAL if causal is True else NONE if causal is False else _causal_mask(causal)  # (hot path: inline)
+        return _traced(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend)
+    if window_size.__class__ is tuple and window_size == _UNBOUNDED:  # (hot path: inline)
+        mask = CAUSAL if causal is True else NONE if causal is False else _causal_mask(causal)
+    else:
+        mask = _causal_mask(causal, window_size)
     return _run(q, k, v, mask, scale, dropout_p, layout, return_lse, backend)
 
 
-def _causal_mask(causal) -> Mask:
-    """The bottom-right causal mask or none; a ``causal`` that is not a bool is refused (check_causal)."""
-    return CAUSAL if check_causal(causal) else NONE
+_UNBOUNDED = (-1, -1)
+
+
+def _causal_mask(causal, window_size=_UNBOUNDED) -> Mask:
+    """The bottom-right causal mask or none, with a sliding window where given; a ``causal`` that is not a bool
+    is refused (check_causal), as is a ``window_size`` that is not two integers >= -1."""
+    causal = check_causal(causal)
+    if window_size.__class__ is tuple and window_size == _UNBOUNDED:
+        return CAUSAL if causal else NONE
+    return _window_mask(causal, _check_window(window_size))
+
+
+def _check_window(window_size) -> tuple[int, int]:
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window_size)):
+        raise InvalidInputError(f"window_size must be (left, right), two integers >= -1 (-1: unbounded), "
+                                f"got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+@functools.lru_cache(maxsize=256)
+def _window_mask(causal: bool, window: tuple[int, int]) -> Mask:
+    if causal:  # causal bounds the right side at 0 (FlashAttention's right = 0): one Mask for every spelling
+        window = (window[0], -1)
+    return Mask(causal=causal, window=window)
 
 
 def _fp8_descale(q, k, descales, layout) -> torch.Tensor:
@@ -157,7 +188,8 @@ def _traced(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, 
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif type(scale) is not float:  # (a traced float may be symbolic: the op checks it when the graph runs)
         scale = check_scale(scale, q.shape[-1])
-    out, lse = attention_op(q, k, v, attn_mask, mask.causal, mask.top_left, scale, needs_grad, return_lse, backend)
+    out, lse = attention_op(q, k, v, attn_mask, mask.causal, mask.top_left, mask.window[0], mask.window[1], scale,
+                            needs_grad, return_lse, backend)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
@@ -291,7 +323,7 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
             seqlen_k: int | None = None, batch: int = 1, heads: int = 1, kv_heads: int | None = None,
             causal: bool = False, dropout_p: float = 0.0, needs_grad: bool = False,
             head_dim_v: int | None = None, return_lse: bool = False, layout: str = "bhsd",
-            backend: str | None = None) -> Decision:
+            backend: str | None = None, window_size: tuple[int, int] = (-1, -1)) -> Decision:
     """The Decision attention() would take, without running anything.
 
     Give tensors (their shapes and dtype are used) or plain shapes (dtype, head_dim and seqlen_q
@@ -302,7 +334,8 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
     if q is not None or k is not None or v is not None:
         if q is None or k is None or v is None:
             raise InvalidInputError("explain() takes q, k and v together, or none of them and plain shapes")
-        problem = problem_from_tensors(q, k, v, spec, layout=layout, mask=_causal_mask(causal), dropout_p=dropout_p,
+        problem = problem_from_tensors(q, k, v, spec, layout=layout, mask=_causal_mask(causal, window_size),
+                                       dropout_p=dropout_p,
                                        return_lse=return_lse,
                                        needs_grad=needs_grad or q.requires_grad or k.requires_grad or v.requires_grad)
     else:
@@ -312,7 +345,8 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
         problem = Problem(batch=batch, heads_q=heads, heads_kv=heads if kv_heads is None else kv_heads,
                           seqlen_q=seqlen_q, seqlen_k=seqlen_q if seqlen_k is None else seqlen_k,
                           head_dim=head_dim, head_dim_v=head_dim if head_dim_v is None else head_dim_v,
-                          dtype=dtype_name(dtype), device=spec or devices.detect(), mask=_causal_mask(causal),
+                          dtype=dtype_name(dtype), device=spec or devices.detect(),
+                          mask=_causal_mask(causal, window_size),
                           dropout=check_dropout(dropout_p) > 0, needs_grad=bool(needs_grad),
                           return_lse=bool(return_lse))
     return decide(problem, *forced_backend(backend))

@@ -27,15 +27,17 @@ from .dispatch.mask import Mask
 from .dispatch.problem import check_scale
 
 
-def _mask(attn_mask: Optional[torch.Tensor], causal: bool, top_left: bool) -> Mask:
-    return Mask(tensor=True) if attn_mask is not None else Mask(causal=causal, top_left=causal and top_left)
+def _mask(attn_mask: Optional[torch.Tensor], causal: bool, top_left: bool, window: tuple[int, int]) -> Mask:
+    if attn_mask is not None:
+        return Mask(tensor=True)
+    return Mask(causal=causal, top_left=top_left and (causal or window != (-1, -1)), window=window)
 
 
-def _decide(q, k, v, attn_mask, causal, top_left, needs_grad, return_lse, backend):
+def _decide(q, k, v, attn_mask, causal, top_left, window, needs_grad, return_lse, backend):
     """The Decision an eager call with these inputs takes (and that last_decision() then reports), and its Call."""
     from .dispatch.select import decide_call
 
-    mask = _mask(attn_mask, causal, top_left)
+    mask = _mask(attn_mask, causal, top_left, window)
     decision = decide_call(q, k, v, "bhsd", mask, 0.0, return_lse, backend, needs_grad=needs_grad)
     return decision, mask
 
@@ -52,12 +54,13 @@ def _lse_shape(q: torch.Tensor, needs_grad: bool, return_lse: bool) -> tuple[int
 
 @torch.library.custom_op("attnforge::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], causal: bool,
-                 top_left: bool, scale: float, needs_grad: bool, return_lse: bool,
-                 backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                 top_left: bool, window_left: int, window_right: int, scale: float, needs_grad: bool,
+                 return_lse: bool, backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for (batch, heads, seqlen, dim) inputs, by the Decision an eager call would take. The LSE is
     (batch, heads, seqlen_q) when ``return_lse`` or ``needs_grad``, else (batch, heads, 0)."""
     scale = check_scale(scale, q.shape[-1])  # (traced as a graph input, it is first seen here)
-    decision, mask = _decide(q, k, v, attn_mask, causal, top_left, needs_grad, return_lse, backend)
+    decision, mask = _decide(q, k, v, attn_mask, causal, top_left, (window_left, window_right), needs_grad,
+                             return_lse, backend)
     out, lse = registry.get(decision.forward.backend).forward(decision.forward.variant,
                                                               Call(q, k, v, scale, mask, attn_mask=attn_mask))
     shape = _lse_shape(q, needs_grad, return_lse)
@@ -69,7 +72,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
 
 
 @attention_op.register_fake
-def _(q, k, v, attn_mask, causal, top_left, scale, needs_grad, return_lse, backend):
+def _(q, k, v, attn_mask, causal, top_left, window_left, window_right, scale, needs_grad, return_lse, backend):
     # exactly what the real op returns: contiguous out in q's dtype and contiguous LSE (new_empty is contiguous)
     return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(_lse_shape(q, needs_grad, return_lse),
                                                                 dtype=_lse_dtype(q))
@@ -78,11 +81,13 @@ def _(q, k, v, attn_mask, causal, top_left, scale, needs_grad, return_lse, backe
 @torch.library.custom_op("attnforge::attention_backward", mutates_args=())
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
-                          dlse: Optional[torch.Tensor], causal: bool, top_left: bool, scale: float,
-                          return_lse: bool, backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          dlse: Optional[torch.Tensor], causal: bool, top_left: bool, window_left: int,
+                          window_right: int, scale: float, return_lse: bool,
+                          backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by the backward of the Decision the forward op took; ``dlse``, the LSE's gradient (None where
     the LSE is not used), folds into the backward's delta."""
-    decision, mask = _decide(q, k, v, attn_mask, causal, top_left, True, return_lse, backend)
+    decision, mask = _decide(q, k, v, attn_mask, causal, top_left, (window_left, window_right), True, return_lse,
+                             backend)
     choice, call = decision.backward, Call(q, k, v, scale, mask, attn_mask=attn_mask)
     if choice.variant is None and registry.get(choice.backend).autograd_native:
         grads = _recomputed_gradients(registry.get(decision.forward.backend), decision.forward.variant, call, dout)
@@ -110,26 +115,27 @@ def _autograd_inside_op():
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, attn_mask, out, lse, dlse, causal, top_left, scale, return_lse, backend):
+def _(dout, q, k, v, attn_mask, out, lse, dlse, causal, top_left, window_left, window_right, scale, return_lse,
+      backend):
     # contiguous, as the real op returns them (empty_like would copy the inputs' strides: bshd, transposed views)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, causal, top_left, scale, needs_grad, return_lse, backend = inputs
+    q, k, v, attn_mask, causal, top_left, window_left, window_right, scale, needs_grad, return_lse, backend = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, attn_mask, out, lse)
-    ctx.flags = causal, top_left, scale, return_lse, backend
+    ctx.flags = causal, top_left, window_left, window_right, scale, return_lse, backend
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, attn_mask, out, lse = ctx.saved_tensors
-    causal, top_left, scale, return_lse, backend = ctx.flags
+    causal, top_left, window_left, window_right, scale, return_lse, backend = ctx.flags
     dout = torch.zeros_like(out) if dout is None else dout
     dlse = None if dlse is None or not return_lse else dlse.to(lse.dtype).contiguous()
     dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, attn_mask, out, lse, dlse, causal, top_left,
-                                       scale, return_lse, backend)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                                       window_left, window_right, scale, return_lse, backend)
+    return dq, dk, dv, *(None,) * 9
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

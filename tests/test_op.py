@@ -10,12 +10,12 @@ from attnforge.testing import assert_close, oracle, peer_error
 
 def fwd_args(q, k, v, causal, backend, needs_grad=True, return_lse=True, attn_mask=None, top_left=False):
     """attnforge::attention's arguments, scale 0.25."""
-    return (q, k, v, attn_mask, causal, top_left, 0.25, needs_grad, return_lse, backend)
+    return (q, k, v, attn_mask, causal, top_left, -1, -1, 0.25, needs_grad, return_lse, backend)
 
 
 def bwd_args(dout, q, k, v, out, lse, dlse, causal, backend, attn_mask=None, top_left=False):
     """attnforge::attention_backward's arguments, scale 0.25."""
-    return (dout, q, k, v, attn_mask, out, lse, dlse, causal, top_left, 0.25, dlse is not None, backend)
+    return (dout, q, k, v, attn_mask, out, lse, dlse, causal, top_left, -1, -1, 0.25, dlse is not None, backend)
 
 
 def qkv(gen, requires_grad=True):
@@ -158,7 +158,7 @@ def test_lse_is_differentiable_through_the_op(backend, gen):
     w_out, w_lse = torch.randn(1, 4, 7, 8, generator=gen).double(), torch.randn(1, 4, 7, generator=gen).double()
 
     def f(q, k, v):  # one output that needs both terms (gradcheck skips an output that needs no grad)
-        out, lse = torch.ops.attnforge.attention(q, k, v, None, True, False, 0.3, True, True, backend)
+        out, lse = torch.ops.attnforge.attention(q, k, v, None, True, False, -1, -1, 0.3, True, True, backend)
         return (out * w_out).sum() + (lse * w_lse).sum()
 
     torch.autograd.gradcheck(f, (q, k, v))

@@ -21,7 +21,7 @@ class ReferenceBackend(Backend):
     support = Support(
         vendors=frozenset({"nvidia", "amd", "cpu"}),
         dtypes=frozenset({"fp16", "bf16", "fp32", "fp64"}),
-        top_left=True,  # the mask model's rule, written once in torch (dispatch/mask.py)
+        top_left=True, window=True,  # the mask model's rule, written once in torch (dispatch/mask.py)
         dropout=False,  # the dropout mask would have to be regenerated in backward; sdpa serves dropout
     )
 

@@ -44,6 +44,7 @@ class SdpaBackend(Backend):
         return_lse=False,
         empty=False,  # torch's fused kernels disagree on zero-sized inputs; reference handles them
         top_left=True, mask_tensor=True,  # attnforge.sdpa() passes SDPA's own masks through
+        window=True,  # as a materialised (seqlen_q, seqlen_k) mask: see _windowed
     )
 
     def _plan(self, problem: Problem) -> Planned:
@@ -54,6 +55,9 @@ class SdpaBackend(Backend):
         if problem.device.vendor == TORCH_ONLY:
             return (f"torch's SDPA: attnforge has no kernels for {problem.device.arch} devices; "
                     "torch picks its kernel at run time")
+        if problem.mask.windowed:
+            return (f"a sliding window as a materialised {problem.seqlen_q} x {problem.seqlen_k} mask (O(seqlen_q * "
+                    "seqlen_k) memory); kernel chosen by torch at run time")
         if not problem.device.present:
             return "kernel chosen by torch at run time (device not present to ask)"
         if problem.mask.tensor or problem.mask.top_left:
@@ -83,6 +87,8 @@ class SdpaBackend(Backend):
         kwargs = dict(dropout_p=call.dropout_p, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         if mask.tensor:  # SDPA's own semantics, as attnforge.sdpa() promises
             return _mask_tensor(q, k, v, call.attn_mask, kwargs), None
+        if mask.windowed:
+            return _windowed(q, k, v, mask, kwargs), None
         if mask.top_left:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs), None
         if not causal or seqlen_q == seqlen_k:
@@ -111,6 +117,21 @@ def _mask_tensor(q, k, v, attn_mask, kwargs):
 # torch.nn.attention.bias, whose import pulls in dynamo (~1 s on a first call): tiny calls, such as the
 # self-check's, stay fast to start, and at that size the mask is smaller than one tile of scores.
 _MATERIALISE_AT_MOST = 1 << 16
+
+
+def _windowed(q, k, v, mask, kwargs):
+    """A sliding window (with or without causal) through SDPA with the mask materialised by the mask model's
+    rule. Rows the window hides every key from give 0 (_mask_tensor). An additive mask would let a NaN key
+    reach the rows it hides from: NaN keys are zeroed and the rows that do see one set to NaN (counted by a
+    (seqlen_k x seqlen_q) product, no (batch, heads) copy of the mask)."""
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    rows = torch.arange(seqlen_q, device=q.device)[:, None]
+    cols = torch.arange(seqlen_k, device=q.device)[None, :]
+    visible = ~mask.hidden(rows, cols, seqlen_q, seqlen_k)
+    nan_key = k.isnan().any(-1)  # (batch, heads_kv, seqlen_k)
+    out = _mask_tensor(q, k.masked_fill(nan_key[..., None], 0.0), v, visible, kwargs)
+    sees_nan = (nan_key.to(torch.float32) @ visible.T.to(torch.float32)) > 0  # (batch, heads_kv, seqlen_q)
+    return out.masked_fill(sees_nan.repeat_interleave(q.shape[1] // k.shape[1], 1)[..., None], float("nan"))
 
 
 def _lower_right(q, k, v, kwargs):

@@ -85,7 +85,8 @@ def test_estimates_come_from_the_nearest_class_within_a_factor_of_two():
     assert e.tflops == 500.0 and e.ms == pytest.approx(costs.flops(near, "fwd") / 500e12 * 1e3)
     import dataclasses
     assert t.estimate("x", dataclasses.replace(near, seqlen_q=1100, seqlen_k=1100, batch=14), "fwd").tflops == 250.0
-    for far in (dict(seqlen_q=1, seqlen_k=1), dict(head_dim=64, head_dim_v=64), dict(mask=attnforge.dispatch.mask.NONE),
+    windowed = attnforge.dispatch.mask.Mask(causal=True, window=(64, -1))
+    for far in (dict(mask=windowed), dict(dropout=True), dict(seqlen_q=1, seqlen_k=1), dict(head_dim=64, head_dim_v=64), dict(mask=attnforge.dispatch.mask.NONE),
                 dict(heads_kv=4), dict(dtype="fp8")):
         assert t.estimate("x", dataclasses.replace(near, **far), "fwd") is None, far
     assert t.estimate("x", near, "fwd+bwd") is None and t.estimate("y", near, "fwd") is None

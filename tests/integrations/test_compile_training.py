@@ -51,7 +51,7 @@ def test_compiled_training_step_matches_eager(kind, autocast, gen, monkeypatch):
     ids = torch.randint(1, 64, (2, 17), generator=gen)
     runs = []
     decide = attnforge.op._decide
-    monkeypatch.setattr(attnforge.op, "_decide", lambda *a: runs.append(a[6]) or decide(*a))
+    monkeypatch.setattr(attnforge.op, "_decide", lambda *a: runs.append(a[7]) or decide(*a))
     attnforge.dispatch.clear_caches()
     (loss, grads), (eager_loss, eager_grads) = compiled_and_eager(kind, "attnforge", ids, autocast)
     assert runs == [True, True]  # one causal attention layer: its forward op and its backward op, deciding with grad

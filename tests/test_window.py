@@ -1,0 +1,110 @@
+"""Sliding windows (``window_size=(left, right)``, FlashAttention's semantics) on every backend that declares
+them, forward and backward, against fp64 math; backends that do not say so in the Decision."""
+
+import math
+
+import pytest
+import torch
+
+import attnforge
+from attnforge import InvalidInputError
+from attnforge.api import _causal_mask
+from attnforge.dispatch import registered
+from attnforge.testing import assert_close, oracle, peer_error, sees
+
+WINDOWS = [(False, (3, 2)), (True, (4, -1)), (False, (-1, 0)), (True, (0, 0)), (False, (5, -1)), (True, (30, 7))]
+LENGTHS = [(17, 17), (1, 113), (17, 40), (40, 17), (113, 113)]
+SERVING = [name for name, b in registered().items() if b.support.window and "cpu" in b.support.vendors]
+
+
+@pytest.mark.parametrize("causal,window", WINDOWS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", LENGTHS)
+def test_the_rule_is_flash_attentions(causal, window, seqlen_q, seqlen_k):
+    """Query i sees key j iff i + Nk - Nq - left <= j <= i + Nk - Nq + right (-1 unbounded), right = 0 when
+    causal: written out here, independently of dispatch/mask.py."""
+    left, right = window
+    if causal:
+        right = 0
+    want = torch.tensor([[(left < 0 or j >= i + seqlen_k - seqlen_q - left) and (right < 0 or j <= i + seqlen_k - seqlen_q + right)
+                          for j in range(seqlen_k)] for i in range(seqlen_q)])
+    assert torch.equal(sees(_causal_mask(causal, window), seqlen_q, seqlen_k), want)
+
+
+def inputs(gen, seqlen_q, seqlen_k, dtype=torch.float32, requires_grad=True):
+    shapes = ((2, 4, seqlen_q, 16), (2, 2, seqlen_k, 16), (2, 2, seqlen_k, 16))  # GQA 4/2
+    return [torch.randn(*s, generator=gen, dtype=dtype).requires_grad_(requires_grad) for s in shapes]
+
+
+@pytest.mark.parametrize("backend", SERVING)
+@pytest.mark.parametrize("causal,window", WINDOWS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", LENGTHS)
+def test_forward_and_backward_match_fp64(backend, causal, window, seqlen_q, seqlen_k, gen):
+    q, k, v = inputs(gen, seqlen_q, seqlen_k)
+    mask = _causal_mask(causal, window)
+    out = attnforge.attention(q, k, v, causal=causal, window_size=window, backend=backend, scale=0.3)
+    assert attnforge.last_decision().problem.mask == mask
+    dout = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, ref_lse, ref_grads = oracle(q, k, v, mask=mask, scale=0.3, dout=dout)
+    peer, peer_grads = peer_error(q, k, v, mask=mask, scale=0.3, dout=dout)
+    ulps = 4 * math.sqrt(max(seqlen_q, seqlen_k, 16))  # as tests/test_api.py
+    assert_close("out", out, ref, peer, ulps=ulps)
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, peer_grads):
+        assert_close(name, g, r, p, ulps=ulps)
+    blind = ~sees(mask, seqlen_q, seqlen_k).any(-1)  # rows the window hides every key from: 0, no gradient
+    assert (out[:, :, blind] == 0).all() and (grads[0][:, :, blind] == 0).all()
+
+
+def test_reference_gradcheck_in_fp64(gen):
+    q, k, v = (t.double().detach().requires_grad_() for t in inputs(gen, 7, 11))
+    torch.autograd.gradcheck(lambda q, k, v: attnforge.attention(q, k, v, window_size=(2, 1), backend="reference",
+                                                                 return_lse=True), (q, k, v))
+
+
+def test_the_lse_of_a_row_the_window_hides_everything_from_is_minus_inf(gen):
+    q, k, v = inputs(gen, 40, 17, requires_grad=False)
+    out, lse = attnforge.attention(q, k, v, causal=True, window_size=(2, -1), backend="reference", return_lse=True)
+    assert (lse[:, :, :23] == float("-inf")).all() and torch.isfinite(lse[:, :, 23:]).all()
+
+
+@pytest.mark.parametrize("backend", SERVING)
+def test_a_nan_key_reaches_only_the_rows_that_see_it(backend, gen):
+    q, k, v = inputs(gen, 17, 17, requires_grad=False)
+    k[:, :, 8] = float("nan")
+    out = attnforge.attention(q, k, v, window_size=(2, 1), backend=backend)
+    sees_it = sees(_causal_mask(False, (2, 1)), 17, 17)[:, 8]
+    assert out[:, :, sees_it].isnan().all() and not out[:, :, ~sees_it].isnan().any()
+
+
+def test_causal_takes_right_as_zero():
+    assert _causal_mask(True, (3, 5)) == _causal_mask(True, (3, 0)) == _causal_mask(True, [3, -1])
+    assert _causal_mask(False, [-1, -1]) == attnforge.dispatch.mask.NONE
+
+
+@pytest.mark.parametrize("bad", [(-2, 0), (1,), "x", (1.5, 0), (True, 0), None, (1, 2, 3)])
+def test_a_bad_window_size_is_named(bad, gen):
+    q, k, v = inputs(gen, 5, 5, requires_grad=False)
+    with pytest.raises(InvalidInputError, match="window_size must be"):
+        attnforge.attention(q, k, v, window_size=bad)
+
+
+@pytest.mark.parametrize("device", ["H100", "A100", "B200", "MI300X"])
+def test_kernels_without_a_window_say_so(device):
+    d = attnforge.explain(device=device, dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, window_size=(1024, 0))
+    fast = d.preferred
+    assert "a sliding window is not supported" in d.forward.reasons_of(fast)
+    assert d.forward.backend == "sdpa" and "materialised 4096 x 4096 mask" in d.forward.describe()
+
+
+def test_compiled_window_matches_eager(gen):
+    q, k, v = inputs(gen, 17, 23)
+    fn = torch.compile(lambda q, k, v: attnforge.attention(q, k, v, causal=True, window_size=(4, 0)), fullgraph=True,
+                       backend="aot_eager")
+    out = fn(q, k, v)
+    assert attnforge.last_decision().problem.mask == _causal_mask(True, (4, 0))
+    dout = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    eager = attnforge.attention(q, k, v, causal=True, window_size=(4, 0))
+    for g, e in zip(grads, torch.autograd.grad(eager, (q, k, v), dout)):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
