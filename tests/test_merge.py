@@ -1,5 +1,7 @@
 """attnforge.merge_states: exact merging of attention over disjoint key sets by their LSE."""
 
+import math
+
 import pytest
 import torch
 
@@ -59,8 +61,11 @@ def test_merge_of_chunks_matches_full_attention(case, dtype, gen):
     peer_out, peer_lse = math_attention(q, k, v, causal=causal)
     assert out.dtype == dtype
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    assert_close("out", out, ref_out, peer_out)
-    assert_close("lse", lse, ref_lse, peer_lse)
+    # as tests/test_api.py: rounding grows like a random walk over the reductions (keys, head dim); in fp64 the
+    # peer is the oracle's own math (error 0), so this is all the bound there is
+    ulps = 4 * math.sqrt(max(nk, 24))
+    assert_close("out", out, ref_out, peer_out, ulps=ulps)
+    assert_close("lse", lse, ref_lse, peer_lse, ulps=ulps)
     if nq > nk and causal:
         blind = slice(0, nq - nk)
         assert torch.equal(out[:, :, blind], torch.zeros_like(out[:, :, blind]))

@@ -49,9 +49,20 @@ def test_forward_and_backward_match_fp64(backend, causal, window, seqlen_q, seql
     peer, peer_grads = peer_error(q, k, v, mask=mask, scale=0.3, dout=dout)
     ulps = 4 * math.sqrt(max(seqlen_q, seqlen_k, 16))  # as tests/test_api.py
     assert_close("out", out, ref, peer, ulps=ulps)
+    visible = sees(mask, seqlen_q, seqlen_k)
+    one_key = bool((visible.sum(-1) <= 1).all())
     for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, peer_grads):
+        if one_key and name != "dv":
+            # Every row sees at most one key: P = 1, so dS = P (dP - delta) is exactly 0 and dq, dk are pure
+            # cancellation for any LSE-based backward (delta = rowsum(dO * O) against dP = dO V^T; torch's
+            # autograd cancels exactly). Bounded by that cancellation's rounding instead.
+            dp = (dout.abs() @ v.detach().abs().repeat_interleave(2, 1).transpose(-1, -2)).max()
+            other = (k if name == "dq" else q).detach().abs().max()
+            bound = ulps * torch.finfo(torch.float32).eps * 0.3 * dp * other
+            assert not g.isnan().any() and (g - r).abs().max() <= bound, name
+            continue
         assert_close(name, g, r, p, ulps=ulps)
-    blind = ~sees(mask, seqlen_q, seqlen_k).any(-1)  # rows the window hides every key from: 0, no gradient
+    blind = ~visible.any(-1)  # rows the window hides every key from: 0, no gradient
     assert (out[:, :, blind] == 0).all() and (grads[0][:, :, blind] == 0).all()
 
 
