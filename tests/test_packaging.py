@@ -27,6 +27,15 @@ def test_installed_package_has_its_templates():
     assert (templates / "header.jinja").is_file()
 
 
+def test_installed_package_has_every_cost_table_of_the_checkout():
+    from importlib.resources import files
+
+    shipped = sorted(p.name for p in (ROOT / "dispatch" / "costs").glob("*.json"))
+    assert shipped, "the checkout ships no cost table"
+    installed = files("attnforge.dispatch") / "costs"
+    assert all((installed / name).is_file() for name in shipped), shipped
+
+
 def test_import_and_a_first_call_do_not_pull_in_dynamo():
     """`import attnforge` and a first causal call (its self-check runs a non-square tiny problem) stay clear of
     torch.nn.attention.bias, whose import pulls in dynamo (~1 s)."""
