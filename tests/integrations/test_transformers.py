@@ -98,3 +98,28 @@ def test_compiled_model_runs_the_causal_kernels(models, gen):
         eager = ours(input_ids=ids).logits
     assert {d.problem.mask for d in attnforge.decisions()} == {Mask(causal=True)}
     torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_a_sliding_window_model_matches_sdpa(gen):
+    """A tiny Mistral-style model with a sliding window shorter than the sequence: transformers hands the window
+    over as a mask tensor, which goes through attnforge.sdpa; logits equal attn_implementation="sdpa"."""
+    integration.register()
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                     sliding_window=8)
+    ref = transformers.MistralForCausalLM(copy.deepcopy(cfg)).eval()
+    ref.set_attn_implementation("sdpa")
+    ours = transformers.MistralForCausalLM(copy.deepcopy(cfg)).eval()
+    ours.load_state_dict(ref.state_dict())
+    ours.set_attn_implementation("attnforge")
+    ids = torch.randint(1, 128, (2, 23), generator=gen)
+    with torch.no_grad():
+        expected, got = ref(ids).logits, ours(ids).logits
+        plain = ref.__class__(copy.deepcopy(cfg).__class__(**{**cfg.to_dict(), "sliding_window": None})).eval()
+        plain.load_state_dict(ref.state_dict())
+        plain.set_attn_implementation("sdpa")
+        unwindowed = plain(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(unwindowed, expected, atol=1e-3)  # the window really changes the answer
+    assert attnforge.last_decision().problem.mask == Mask(tensor=True)
