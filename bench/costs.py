@@ -37,14 +37,21 @@ class Shape:
     modes: tuple[str, ...] = costs.MODES
 
 
+# Tokens per call (batch x seqlen) of the default grid: FlashAttention's benchmark budget, and one 8x smaller
+# so that smaller calls (a few sequences, fewer CTAs) are measured too: an entry reaches a factor of 2 in
+# batch x heads (dispatch/costs.py).
+TOKENS = ((16384, (512, 1024, 4096, 16384)), (2048, (512, 1024, 2048, 4096)))
+
+
 def default_grid(head_dims=(64, 80, 96, 128, 192, 256)) -> list[Shape]:
-    """16k tokens per call at 2048 / head_dim query heads (FlashAttention's benchmark shape), at 512..16k
+    """16k and 2k tokens per call at 2048 / head_dim query heads (FlashAttention's benchmark shape), at 512..16k
     tokens per sequence, MHA and GQA 4:1, full and causal; plus cross-attention (Nq << Nk), decode (Nq = 1,
     forward only) and one long sequence, at head dim 128."""
     grid = []
-    for d, seqlen, causal, group in itertools.product(head_dims, (512, 1024, 4096, 16384), (False, True), (1, 4)):
+    for (tokens, seqlens), d, causal, group in itertools.product(TOKENS, head_dims, (False, True), (1, 4)):
         heads = max(group, 2048 // d // group * group)
-        grid.append(Shape(max(1, 16384 // seqlen), heads, heads // group, seqlen, seqlen, d, causal))
+        for seqlen in seqlens:
+            grid.append(Shape(max(1, tokens // seqlen), heads, heads // group, seqlen, seqlen, d, causal))
     grid += [Shape(8, 16, 4, 512, 8192, 128, False),  # cross-attention / chunked prefill against a long context
              Shape(64, 32, 8, 1, 8192, 128, False, ("fwd",)),  # decode against 8k cached keys
              Shape(1, 16, 4, 65536, 65536, 128, True)]

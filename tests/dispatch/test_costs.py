@@ -160,3 +160,28 @@ def test_the_shipped_h200_table_routes_by_its_measurements():
     assert decode.forward.backend == "sdpa"
     fp8 = explain(device="H200", dtype="fp8", seqlen_q=16384, batch=1)
     assert fp8.forward.backend == "cute_sm90" and fp8.forward.candidates[0].evidence == "unmeasured"
+
+
+@pytest.mark.parametrize("shape", [
+    dict(batch=1, heads=16, seqlen_q=4096, head_dim=64),  # attnforge demo's problem
+    dict(batch=2, heads=32, kv_heads=8, seqlen_q=8192, head_dim=128),  # GQA prefill
+    dict(batch=8, heads=16, seqlen_q=1023, head_dim=128),  # odd length
+    dict(batch=4, heads=24, seqlen_q=4096, head_dim=96),
+    dict(batch=32, heads=32, seqlen_q=512, head_dim=64),  # many short sequences
+    dict(batch=1, heads=8, seqlen_q=2048, head_dim=256),
+    dict(batch=64, heads=32, kv_heads=8, seqlen_q=1, seqlen_k=8192, head_dim=128, causal=False),  # decode
+])
+def test_the_default_tune_grid_covers_model_shapes(shape):
+    """Every class of these calls has an entry within reach once `attnforge tune --costs` has measured its grid
+    (entries made here from the grid's shapes, one plan)."""
+    from attnforge.bench import costs as bench_costs
+
+    entries = [{"plan": "p", "mode": mode, "dtype": "bf16", "head_dim": s.head_dim, "head_dim_v": s.head_dim,
+                "causal": s.causal, "batch": s.batch, "heads_q": s.heads_q, "heads_kv": s.heads_kv,
+                "seqlen_q": s.seqlen_q, "seqlen_k": s.seqlen_k, "tflops": 1.0}
+               for s in bench_costs.default_grid() for mode in s.modes]
+    t = costs.parse(doc(*entries), "test")
+    d = explain(device="H200", **{"causal": True, **shape})
+    modes = ("fwd",) if d.problem.seqlen_q == 1 else costs.MODES
+    for mode in modes:
+        assert t.estimate("p", d.problem, mode) is not None, mode
