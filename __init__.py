@@ -15,6 +15,7 @@ from .dispatch import (PROFILES, Decision, DeviceSpec, Problem, decisions, last_
 from .errors import AttnforgeError, BackendUnavailableError, InvalidInputError, UnknownNameError
 from .integrations import torch_flash as _torch_flash
 from .merge import merge_states
+from .varlen import attention_varlen
 
 # torch's flash-attention registry gets the name "attnforge"; activating it is the user's call
 # (torch.nn.attention.activate_flash_attention_impl("attnforge")), never an import's
@@ -22,5 +23,5 @@ _torch_flash.register()
 
 __all__ = ["AttnforgeError", "BackendUnavailableError", "Decision", "DeviceSpec", "InvalidInputError",
            "PROFILES", "Problem", "UnknownNameError", "__version__", "attention", "decisions", "explain",
-           "last_decision", "math_attention", "merge_states", "sdpa",
+           "last_decision", "math_attention", "merge_states", "sdpa", "attention_varlen",
            "profile", "registered", "use_backend"]

@@ -119,6 +119,31 @@ def sees(mask, seqlen_q: int, seqlen_k: int, device="cpu") -> torch.Tensor:
     return torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device) if hidden is None else ~hidden
 
 
+def assert_grads_close(grads, ref_grads, peer_grads, q, k, v, dout, mask, scale: float, ulps: float) -> None:
+    """assert_close for (dq, dk, dv) of (batch, heads, seqlen, dim) inputs, except where a row sees exactly one
+    key: there P = 1, dS = P (dP - delta) is exactly 0 and that row's dq (and the key's dk) is pure cancellation
+    for any LSE-based backward (delta = rowsum(dO * O) against dP = dO V^T), while PyTorch's autograd cancels
+    exactly. Those are bounded by the cancellation's rounding, ulps * eps * scale * max|dO||V| * max|K| (|Q|)."""
+    one_key = sees(mask, q.shape[2], k.shape[2], q.device).sum(-1) == 1  # (seqlen_q,)
+    group = q.shape[1] // k.shape[1]
+    eps = torch.finfo(grads[0].dtype if grads[0].dtype != torch.float64 else torch.float64).eps
+    dp = (dout.abs().double() @ v.detach().abs().double().repeat_interleave(group, 1).transpose(-1, -2)).max()
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, peer_grads):
+        if name == "dv" or not one_key.any():
+            assert_close(name, g, r, p, ulps=ulps)
+            continue
+        other = (k if name == "dq" else q).detach().abs().max().double()
+        bound = ulps * eps * scale * dp * other
+        if name == "dq":
+            keep = ~one_key
+            if keep.any():
+                assert_close(name, g[:, :, keep], r[:, :, keep], p[:, :, keep], ulps=ulps)
+            loose = g[:, :, one_key]
+            assert not loose.isnan().any() and (loose - r[:, :, one_key]).abs().max() <= bound, name
+        else:  # a key's dk sums over rows, some of which may see only it
+            assert not g.isnan().any() and (g - r).abs().max() <= max(bound, error_and_bound(g, r, p, ulps=ulps)[1]), name
+
+
 def assert_nan_rows(name: str, x: torch.Tensor, ref: torch.Tensor, peer: torch.Tensor, nan_rows: torch.Tensor,
                     **tolerance) -> None:
     """x, an output (batch, heads, seqlen_q, d) or an LSE (batch, heads, seqlen_q), is NaN in every element of
