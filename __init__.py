@@ -14,6 +14,7 @@ from .dispatch import (PROFILES, Decision, DeviceSpec, Problem, decisions, last_
                        use_backend)
 from .errors import AttnforgeError, BackendUnavailableError, InvalidInputError, UnknownNameError
 from .integrations import torch_flash as _torch_flash
+from .kvcache import attention_with_kvcache
 from .merge import merge_states
 from .varlen import attention_varlen
 
@@ -23,5 +24,5 @@ _torch_flash.register()
 
 __all__ = ["AttnforgeError", "BackendUnavailableError", "Decision", "DeviceSpec", "InvalidInputError",
            "PROFILES", "Problem", "UnknownNameError", "__version__", "attention", "decisions", "explain",
-           "last_decision", "math_attention", "merge_states", "sdpa", "attention_varlen",
+           "last_decision", "math_attention", "merge_states", "sdpa", "attention_varlen", "attention_with_kvcache",
            "profile", "registered", "use_backend"]

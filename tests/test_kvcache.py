@@ -1,0 +1,109 @@
+"""attention_with_kvcache: FlashAttention's KV-cache call, contiguous and paged, new tokens appended in place,
+bottom-right causal against the cache length, left padding; against fp64 math on the keys each sequence has.
+Cache positions no sequence owns are poisoned with NaN, so reading one shows."""
+
+import math
+
+import pytest
+import torch
+
+import attnforge
+from attnforge import InvalidInputError
+from attnforge.testing import assert_close, oracle, peer_error
+
+B, HQ, HKV, D, NMAX, PAGE = 3, 4, 2, 16, 40, 8
+
+
+def caches(gen, lengths):
+    k_cache, v_cache = (torch.full((B, NMAX, HKV, D), float("nan")) for _ in range(2))
+    for b, n in enumerate(lengths):
+        k_cache[b, :n], v_cache[b, :n] = (torch.randn(n, HKV, D, generator=gen) for _ in range(2))
+    return k_cache, v_cache
+
+
+def paged(k_cache, v_cache, gen):
+    """The same caches as pages of PAGE tokens in a shuffled pool, with the block table that finds them."""
+    per_seq = NMAX // PAGE
+    order = torch.randperm(B * per_seq + 3, generator=gen)[:B * per_seq].to(torch.int32)
+    table = order.reshape(B, per_seq)
+    pool_k, pool_v = (torch.full((B * per_seq + 3, PAGE, HKV, D), float("nan")) for _ in range(2))
+    for b in range(B):
+        for i in range(per_seq):
+            pool_k[table[b, i]] = k_cache[b, i * PAGE:(i + 1) * PAGE]
+            pool_v[table[b, i]] = v_cache[b, i * PAGE:(i + 1) * PAGE]
+    return pool_k, pool_v, table
+
+
+def check(out, lse, q, keys, values, causal):
+    """Each sequence's out and LSE against fp64 math over the keys it has."""
+    ulps = 4 * math.sqrt(NMAX)
+    for b in range(B):
+        bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (q[b], keys[b], values[b])]
+        ref, ref_lse, _ = oracle(*bhsd, causal=causal, scale=0.3)
+        peer, _ = peer_error(*bhsd, causal=causal, scale=0.3)
+        assert_close("out", out[b].transpose(0, 1).unsqueeze(0), ref, peer, ulps=ulps)
+        assert_close("lse", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ulps)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (3, True), (5, False)])
+def test_append_then_attend(layout, seqlen_q, causal, gen):
+    lengths, new = [5, 0, 17], 3
+    k_cache, v_cache = caches(gen, lengths)
+    before_k = [k_cache[b, :n].clone() for b, n in enumerate(lengths)]
+    before_v = [v_cache[b, :n].clone() for b, n in enumerate(lengths)]
+    k_new, v_new = (torch.randn(B, new, HKV, D, generator=gen) for _ in range(2))
+    q = torch.randn(B, seqlen_q, HQ, D, generator=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    kwargs = dict(cache_seqlens=seqlens, causal=causal, scale=0.3, return_lse=True)
+    if layout == "paged":
+        pool_k, pool_v, table = paged(k_cache, v_cache, gen)
+        out, lse = attnforge.attention_with_kvcache(q, pool_k, pool_v, k_new, v_new, block_table=table, **kwargs)
+        page_of = lambda b, pos: (table[b, pos // PAGE].item(), pos % PAGE)  # noqa: E731
+        for b, n in enumerate(lengths):  # appended in place, in the right pages
+            for j in range(new):
+                page, offset = page_of(b, n + j)
+                assert torch.equal(pool_k[page, offset], k_new[b, j]) and torch.equal(pool_v[page, offset], v_new[b, j])
+    else:
+        out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
+        for b, n in enumerate(lengths):
+            assert torch.equal(k_cache[b, :n], before_k[b]) and torch.equal(k_cache[b, n:n + new], k_new[b])
+            assert k_cache[b, n + new:].isnan().all()  # untouched past the new tokens
+    assert out.shape == (B, seqlen_q, HQ, D) and lse.shape == (B, HQ, seqlen_q) and out.isfinite().all()
+    keys = [torch.cat((before_k[b], k_new[b])) for b in range(B)]
+    values = [torch.cat((before_v[b], v_new[b])) for b in range(B)]
+    check(out, lse, q, keys, values, causal)
+
+
+def test_left_padding_and_no_append(gen):
+    lengths, pads = [9, 4, 20], [2, 0, 7]
+    k_cache, v_cache = caches(gen, lengths)
+    q = torch.randn(B, 2, HQ, D, generator=gen)
+    out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                                                cache_leftpad=torch.tensor(pads, dtype=torch.int32), causal=True,
+                                                scale=0.3, return_lse=True)
+    check(out, lse, q, [k_cache[b, p:n] for b, (p, n) in enumerate(zip(pads, lengths))],
+          [v_cache[b, p:n] for b, (p, n) in enumerate(zip(pads, lengths))], True)
+
+
+def test_an_empty_cache_gives_zero_and_minus_inf(gen):
+    k_cache, v_cache = caches(gen, [0, 0, 0])
+    q = torch.randn(B, 1, HQ, D, generator=gen)
+    out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=0, return_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(cache_seqlens=torch.tensor([5, 0, 38], dtype=torch.int32)), "does not fit"),
+    (dict(cache_seqlens=torch.tensor([5, 0, 17])), "cache_seqlens must be an int or an int32"),
+    (dict(cache_seqlens=41), "between 0 and the cache's 40 tokens"),
+    (dict(v=None), "pass k and v together"),
+    (dict(block_table=torch.zeros(3, 5)), "block_table must be an int32"),
+])
+def test_bad_inputs_are_named(change, match, gen):
+    k_cache, v_cache = caches(gen, [5, 0, 17])
+    args = dict(k=torch.randn(B, 3, HKV, D, generator=gen), v=torch.randn(B, 3, HKV, D, generator=gen),
+                cache_seqlens=torch.tensor([5, 0, 17], dtype=torch.int32))
+    args.update(change)
+    with pytest.raises(InvalidInputError, match=match):
+        attnforge.attention_with_kvcache(torch.randn(B, 1, HQ, D, generator=gen), k_cache, v_cache, **args)
