@@ -31,6 +31,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (one sync); not under torch.compile yet.
     """
     from .api import attention
+    from .op import lse_dtype
 
     if torch.compiler.is_compiling():
         raise InvalidInputError("attention_with_kvcache inside torch.compile is not supported yet (it reads the "
@@ -73,7 +74,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         keys, values = _read(k_cache, starts[b], end, b, pages), _read(v_cache, starts[b], end, b, pages)
         if keys.shape[0] == 0:  # nothing cached: every row sees no key
             outs.append(q.new_zeros((q.shape[1], q.shape[2], v_cache.shape[3])))
-            lses.append(torch.full((q.shape[2], q.shape[1]), float("-inf"), device=q.device))
+            lses.append(torch.full((q.shape[2], q.shape[1]), float("-inf"), device=q.device, dtype=lse_dtype(q)))
             continue
         out, lse = attention(q[b:b + 1], keys[None], values[None], causal=causal, scale=scale, layout="bshd",
                              window_size=window_size, return_lse=True, backend=backend)

@@ -42,7 +42,7 @@ def _decide(q, k, v, attn_mask, causal, top_left, window, needs_grad, return_lse
     return decision, mask
 
 
-def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+def lse_dtype(q: torch.Tensor) -> torch.dtype:
     """fp32, or fp64 for fp64 inputs as eager attention() gives it (an fp32 LSE would make fp64 gradients fp32-exact)."""
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -65,17 +65,17 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
                                                               Call(q, k, v, scale, mask, attn_mask=attn_mask))
     shape = _lse_shape(q, needs_grad, return_lse)
     if not shape[-1]:  # no one uses it
-        lse = q.new_empty(shape, dtype=_lse_dtype(q))
+        lse = q.new_empty(shape, dtype=lse_dtype(q))
     elif lse is None:  # a backend without an LSE (sdpa) declines return_lse; its backward recomputes, using none
-        lse = q.new_full(shape, float("nan"), dtype=_lse_dtype(q))
-    return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
+        lse = q.new_full(shape, float("nan"), dtype=lse_dtype(q))
+    return out.contiguous(), lse.to(lse_dtype(q)).contiguous()
 
 
 @attention_op.register_fake
 def _(q, k, v, attn_mask, causal, top_left, window_left, window_right, scale, needs_grad, return_lse, backend):
     # exactly what the real op returns: contiguous out in q's dtype and contiguous LSE (new_empty is contiguous)
     return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(_lse_shape(q, needs_grad, return_lse),
-                                                                dtype=_lse_dtype(q))
+                                                                dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("attnforge::attention_backward", mutates_args=())

@@ -126,7 +126,7 @@ def assert_grads_close(grads, ref_grads, peer_grads, q, k, v, dout, mask, scale:
     exactly. Those are bounded by the cancellation's rounding, ulps * eps * scale * max|dO||V| * max|K| (|Q|)."""
     one_key = sees(mask, q.shape[2], k.shape[2], q.device).sum(-1) == 1  # (seqlen_q,)
     group = q.shape[1] // k.shape[1]
-    eps = torch.finfo(grads[0].dtype if grads[0].dtype != torch.float64 else torch.float64).eps
+    eps = torch.finfo(grads[0].dtype).eps
     dp = (dout.abs().double() @ v.detach().abs().double().repeat_interleave(group, 1).transpose(-1, -2)).max()
     for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, peer_grads):
         if name == "dv" or not one_key.any():

@@ -30,6 +30,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Differentiable (the LSE too). Reads the offsets on the host (one device sync); not under torch.compile yet.
     """
     from .api import attention
+    from .op import lse_dtype
 
     if torch.compiler.is_compiling():
         raise InvalidInputError("attention_varlen inside torch.compile is not supported yet (it reads cu_seqlens on "
@@ -53,7 +54,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             continue  # no query rows: nothing to compute or return
         if kb == ka:  # no key: every row gives 0 and LSE -inf (attention()'s rule for a row that sees no key)
             outs.append(q.new_zeros((qb - qa, q.shape[1], v.shape[2])))  # (no gradient reaches q from these rows)
-            lses.append(torch.full((q.shape[1], qb - qa), float("-inf"), device=q.device, dtype=_lse_dtype(q)))
+            lses.append(torch.full((q.shape[1], qb - qa), float("-inf"), device=q.device, dtype=lse_dtype(q)))
             continue
         out, lse = attention(q[qa:qb].unsqueeze(0), k[ka:kb].unsqueeze(0), v[ka:kb].unsqueeze(0), causal=causal, scale=scale,
                              layout="bshd", window_size=window_size, return_lse=True, backend=backend)
@@ -61,14 +62,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         lses.append(lse[0])
     if not outs:  # every sequence has no query row
         out = q.new_zeros((0, q.shape[1], v.shape[2]))
-        lse = torch.zeros((q.shape[1], 0), device=q.device, dtype=_lse_dtype(q))
+        lse = torch.zeros((q.shape[1], 0), device=q.device, dtype=lse_dtype(q))
     else:
         out, lse = torch.cat(outs, 0), torch.cat(lses, 1)
     return (out, lse) if return_lse else out
-
-
-def _lse_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _offsets(name: str, cu: torch.Tensor, total: int, device) -> list[int]:

@@ -61,13 +61,7 @@ def _measure_one(impl, q, k, v, dout, causal, scale, mode, device, cfg, ref):
     out = fn(q, k, v)  # correctness first, on the same inputs the timing uses
     grads = torch.autograd.grad(out, (q, k, v), dout) if needs_grad else None
     errs = measure.errors(out, grads, *ref(needs_grad))
-    if needs_grad:
-        def call():
-            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
-    else:
-        def call():
-            with torch.no_grad():
-                fn(q, k, v)
+    call = measure.step(fn, q, k, v, dout, mode)
     median, p10, p90 = measure.time_ms(call, device, cfg.warmup_ms, cfg.rep_ms)
     return {"median_ms": median, "p10_ms": p10, "p90_ms": p90, "peak_mem_bytes": measure.peak_mem_bytes(call, device),
             **errs}

@@ -65,19 +65,6 @@ def _inputs(shape: Shape, dtype, gen, device):
     return q, k, v, torch.randn(q.shape, device=device, generator=gen).to(dtype)
 
 
-def _runner(q, k, v, dout, causal, backend, mode):
-    if mode == "fwd":
-        def run():
-            with torch.no_grad():
-                attnforge.attention(q, k, v, causal=causal, backend=backend)
-        return run
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-
-    def run():
-        torch.autograd.grad(attnforge.attention(q, k, v, causal=causal, backend=backend), (q, k, v), dout)
-    return run
-
-
 def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 10, rep_ms: float = 60,
                  progress=print, device: str = "cuda") -> list[dict]:
     """One entry per (shape, mode, plan) that ran: its TFLOP/s (dispatch.costs.flops over the median)."""
@@ -93,8 +80,10 @@ def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 10, 
                     continue
                 plan = plan_name(name, decision.backward)
                 try:
-                    ms = measure.time_ms(_runner(q, k, v, dout, shape.causal, name, mode), q.device, warmup_ms,
-                                         rep_ms)[0]
+                    def fn(q, k, v, name=name):
+                        return attnforge.attention(q, k, v, causal=shape.causal, backend=name)
+
+                    ms = measure.time_ms(measure.step(fn, q, k, v, dout, mode), q.device, warmup_ms, rep_ms)[0]
                 except Exception as exc:  # a plan that fails here is left out of the table, and said
                     progress(f"  {plan} {mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
                     continue
@@ -125,5 +114,5 @@ def table_document(entries: list[dict], command: str, device: str = "cuda") -> d
     versions = {k: env.get(k) for k in ("torch", "cuda", "cudnn", "triton", "nvidia_cutlass_dsl", "attnforge")}
     return {"schema": costs.SCHEMA, "arch": spec.arch, "device": spec.name,
             "measured": datetime.date.today().isoformat(), "command": command, "commit": commit,
-            "versions": versions, "flop_formula": costs.flops.__doc__.strip(),
+            "versions": versions, "flop_formula": costs.flop_count.__doc__.strip(),
             "timing": measure.TIMING, "entries": entries}

@@ -13,6 +13,7 @@ import torch
 
 import attnforge
 from attnforge.backends.reference import kernels as reference
+from attnforge.dispatch import costs
 from attnforge.testing import rel_error
 
 FLOP_FORMULA = ("forward: 2 * batch * heads * seqlen_q * seqlen_k * (head_dim + head_dim_v), halved when causal "
@@ -23,9 +24,19 @@ TIMING = ("CUDA events via triton.testing.do_bench (L2 flushed between runs), qu
 PEAK_MEM = "device memory one call allocates at its peak beyond what was allocated before it (inputs excluded)"
 
 
-def flops(batch, heads, seqlen_q, seqlen_k, head_dim, head_dim_v, causal, mode) -> float:
-    fwd = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim + head_dim_v) / (2 if causal else 1)
-    return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
+flops = costs.flop_count  # the one FLOP formula (FLOP_FORMULA above says it in words)
+
+
+def step(fn, q, k, v, dout, mode: str):
+    """The timed callable of ``fn(q, k, v)``: the forward under no_grad, or forward and backward (with ``dout``)
+    for "fwd+bwd" on copies of the inputs that require grad."""
+    if mode == "fwd":
+        def run():
+            with torch.no_grad():
+                fn(q, k, v)
+        return run
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
 
 
 def time_ms(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> tuple[float, float, float]:

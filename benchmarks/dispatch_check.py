@@ -35,16 +35,6 @@ SHAPES = [
 BACKENDS = ("cute_sm90", "triton_fa2", "sdpa")
 
 
-def runner(fn, q, k, v, dout, mode):
-    if mode == "fwd":
-        def run():
-            with torch.no_grad():
-                fn(q, k, v)
-        return run
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None)
@@ -68,7 +58,7 @@ def main() -> None:
             flop = costs.flops(decision.problem, mode)
             tflops = {}
             for name, fn in impls.items():
-                ms = measure.time_ms(runner(fn, q, k, v, dout, mode), q.device, 25, 150)[0]
+                ms = measure.time_ms(measure.step(fn, q, k, v, dout, mode), q.device, 25, 150)[0]
                 tflops[name] = flop / (ms * 1e-3) / 1e12
             best = max((n for n in tflops if n != "auto"), key=tflops.get)
             row = {"shape": label, "mode": mode, "tflops": {n: round(t, 1) for n, t in tflops.items()},

@@ -35,14 +35,17 @@ _ENTRY_FIELDS = {"plan": str, "mode": str, "dtype": str, "head_dim": int, "head_
                  "tflops": (int, float)}
 
 
-def flops(problem: Problem, mode: str) -> float:
+def flop_count(batch, heads, seqlen_q, seqlen_k, head_dim, head_dim_v, causal, mode) -> float:
     """FlashAttention's benchmark convention: 2·B·Hq·Nq·Nk·(d + dv) for the forward, halved when causal
     (square), and 3.5x that for forward+backward."""
-    fwd = 2.0 * problem.batch * problem.heads_q * problem.seqlen_q * problem.seqlen_k * (
-        problem.head_dim + problem.head_dim_v)
-    if problem.causal:
-        fwd /= 2
+    fwd = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim + head_dim_v) / (2 if causal else 1)
     return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def flops(problem: Problem, mode: str) -> float:
+    """flop_count of ``problem``."""
+    return flop_count(problem.batch, problem.heads_q, problem.seqlen_q, problem.seqlen_k, problem.head_dim,
+                      problem.head_dim_v, problem.causal, mode)
 
 
 @dataclasses.dataclass(frozen=True)

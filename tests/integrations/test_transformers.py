@@ -13,20 +13,26 @@ from attnforge.dispatch.mask import Mask  # noqa: E402
 from attnforge.integrations import transformers as integration  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def models():
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+
+
+def pair(model_class, cfg):
+    """The same random model twice: through attn_implementation="sdpa" and through "attnforge"."""
     integration.register()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   pad_token_id=0)
-    ref = transformers.LlamaForCausalLM(copy.deepcopy(cfg)).eval()
+    ref = model_class(copy.deepcopy(cfg)).eval()
     ref.set_attn_implementation("sdpa")
-    ours = transformers.LlamaForCausalLM(copy.deepcopy(cfg)).eval()
+    ours = model_class(copy.deepcopy(cfg)).eval()
     ours.load_state_dict(ref.state_dict())
     ours.set_attn_implementation("attnforge")
     assert (ref.config._attn_implementation, ours.config._attn_implementation) == ("sdpa", "attnforge")
     return ref, ours
+
+
+@pytest.fixture(scope="module")
+def models():
+    return pair(transformers.LlamaForCausalLM, transformers.LlamaConfig(pad_token_id=0, **TINY))
 
 
 def test_logits_match_sdpa_and_calls_go_through_attnforge(models, gen):
@@ -103,23 +109,12 @@ def test_compiled_model_runs_the_causal_kernels(models, gen):
 def test_a_sliding_window_model_matches_sdpa(gen):
     """A tiny Mistral-style model with a sliding window shorter than the sequence: transformers hands the window
     over as a mask tensor, which goes through attnforge.sdpa; logits equal attn_implementation="sdpa"."""
-    integration.register()
-    torch.manual_seed(0)
-    cfg = transformers.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                     sliding_window=8)
-    ref = transformers.MistralForCausalLM(copy.deepcopy(cfg)).eval()
-    ref.set_attn_implementation("sdpa")
-    ours = transformers.MistralForCausalLM(copy.deepcopy(cfg)).eval()
-    ours.load_state_dict(ref.state_dict())
-    ours.set_attn_implementation("attnforge")
+    ref, ours = pair(transformers.MistralForCausalLM, transformers.MistralConfig(sliding_window=8, **TINY))
+    plain, _ = pair(transformers.MistralForCausalLM, transformers.MistralConfig(sliding_window=None, **TINY))
+    plain.load_state_dict(ref.state_dict())
     ids = torch.randint(1, 128, (2, 23), generator=gen)
     with torch.no_grad():
-        expected, got = ref(ids).logits, ours(ids).logits
-        plain = ref.__class__(copy.deepcopy(cfg).__class__(**{**cfg.to_dict(), "sliding_window": None})).eval()
-        plain.load_state_dict(ref.state_dict())
-        plain.set_attn_implementation("sdpa")
-        unwindowed = plain(ids).logits
+        expected, got, unwindowed = ref(ids).logits, ours(ids).logits, plain(ids).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(unwindowed, expected, atol=1e-3)  # the window really changes the answer
     assert attnforge.last_decision().problem.mask == Mask(tensor=True)
