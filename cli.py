@@ -161,6 +161,13 @@ def _csv(cast):
     return lambda text: tuple(cast(x) for x in text.split(",") if x)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _bench(args) -> int:
     from . import bench
     from .bench import report
@@ -276,6 +283,33 @@ def _why_nothing(args) -> str:
     return f"for {asked}: " + "; ".join(parts)
 
 
+def _timed_cute_build(item, out, keep_asm: bool):
+    import time
+
+    from .runtime import cute
+
+    t0 = time.perf_counter()
+    path, built = cute.build_cached(item, out, keep_asm=keep_asm)
+    return path, built, time.perf_counter() - t0
+
+
+def _build_cute(items: list, out, keep_asm: bool, jobs: int):
+    """(item, (path, built now, seconds)) for each CuTe kernel, as each finishes: here one after another, or with
+    ``jobs`` > 1 in that many worker processes (each imports the CuTe DSL once; the cache's per-kernel locks
+    keep two processes from writing one entry)."""
+    if jobs <= 1 or len(items) <= 1:
+        for item in items:
+            yield item, _timed_cute_build(item, out, keep_asm)
+        return
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(items)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_timed_cute_build, item, out, keep_asm): item for item in items}
+        for future in concurrent.futures.as_completed(futures):
+            yield futures[future], future.result()
+
+
 def _build(args) -> int:
     import pathlib
     import time
@@ -296,10 +330,8 @@ def _build(args) -> int:
     tritons = [i for i in items if isinstance(i, triton_aot.KernelBuild)]
     results = triton_aot.run(tritons, out, keep_asm=args.keep_asm, progress=progress)
     cutes = [i for i in items if isinstance(i, cute.CuteBuild)]
-    for n, item in enumerate(cutes, 1):
-        t0 = time.perf_counter()
-        path, built = cute.build_cached(item, out, keep_asm=args.keep_asm)
-        what = f"built in {time.perf_counter() - t0:.1f}s" if built else "cached"
+    for n, (item, (path, built, seconds)) in enumerate(_build_cute(cutes, out, args.keep_asm, args.jobs), 1):
+        what = f"built in {seconds:.1f}s" if built else "cached"
         progress(f"[{n}/{len(cutes)}] {item.name()}: {what} ({path.name})")
     spilled = [r for r in results if r["stack_bytes"]]
     print(f"{len(items)} kernels in {out}" + (f"; {len(spilled)} Triton kernels spill to local memory" if spilled else ""))
@@ -307,6 +339,8 @@ def _build(args) -> int:
 
 
 def _tune(args) -> int:
+    if args.merge:
+        return _merge_costs(args)
     if not torch.cuda.is_available() or torch.version.cuda is None:
         print("attnforge tune: needs an NVIDIA GPU (it times kernels on it)", file=sys.stderr)
         return 2
@@ -323,13 +357,42 @@ def _tune(args) -> int:
     return 0
 
 
+def _merge_costs(args) -> int:
+    import json
+    import pathlib
+
+    from .bench import costs as bench_costs
+
+    if not args.costs:
+        print("attnforge tune: --merge needs --costs (it merges cost tables)", file=sys.stderr)
+        return 2
+    try:
+        docs = [json.loads(pathlib.Path(p).read_text()) for p in args.merge]
+    except (OSError, ValueError) as exc:
+        print(f"attnforge tune: cannot read a table to merge: {exc}", file=sys.stderr)
+        return 2
+    try:
+        doc = bench_costs.merge_documents(docs, list(args.merge))
+    except ValueError as exc:  # CostTableError: names the file and the problem
+        print(f"attnforge tune: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or f"costs-{doc['arch']}.json"
+    pathlib.Path(out).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out} ({len(doc['entries'])} entries from {len(docs)} tables)")
+    return 0
+
+
 def _tune_costs(args) -> int:
     import json
 
     from .bench import costs as bench_costs
     from .dispatch import costs
 
-    grid = bench_costs.default_grid(**({"head_dims": args.head_dim} if args.head_dim else {}))
+    try:
+        grid = bench_costs.default_grid(**({"head_dims": args.head_dim} if args.head_dim else {}), tokens=args.tokens)
+    except ValueError as exc:
+        print(f"attnforge tune: {exc}", file=sys.stderr)
+        return 2
     entries = bench_costs.measure_grid(grid, progress=lambda m: print(m, file=sys.stderr))
     doc = bench_costs.table_document(entries, "attnforge tune --costs " + " ".join(sys.argv[3:]).strip())
     costs.parse(doc, "the measured table")  # what is written is what the dispatcher can read
@@ -384,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="cache folder (default $ATTNFORGE_CACHE_DIR or ~/.cache/attnforge)")
     p.add_argument("--list", action="store_true", help="list what would be built, build nothing")
     p.add_argument("--keep-asm", action="store_true", help="write PTX and SASS next to each kernel (Triton and CuTe)")
+    p.add_argument("--jobs", type=_positive_int, default=1, help="CuTe kernels compiled at once, in worker processes "
+                                                                 "(default 1)")
     p.set_defaults(run=_build)
 
     p = sub.add_parser("tune", help="time triton_fa2's rendered tiles on this GPU and keep the fastest (opt-in); "
@@ -394,6 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--costs", action="store_true", help="measure each backend (and forward+backward pair) over a "
                                                          "grid of problem classes; writes a cost table")
     p.add_argument("--out", default=None, help="with --costs: the table's path (default costs-<arch>.json)")
+    p.add_argument("--tokens", type=_csv(int), default=None, help="with --costs: only these tokens-per-call budgets of "
+                                                                   "the grid (16384, 2048; default both)")
+    p.add_argument("--merge", nargs="+", metavar="TABLE", help="with --costs: merge tables measured in parts (no GPU "
+                                                                "needed; the first table's entry wins a repeat)")
     p.set_defaults(run=_tune)
 
     p = sub.add_parser("bench", help="time attnforge beside the attention kernels importable here, same inputs, same run")

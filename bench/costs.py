@@ -43,12 +43,15 @@ class Shape:
 TOKENS = ((16384, (512, 1024, 4096, 16384)), (2048, (512, 1024, 2048, 4096)))
 
 
-def default_grid(head_dims=(64, 80, 96, 128, 192, 256)) -> list[Shape]:
-    """16k and 2k tokens per call at 2048 / head_dim query heads (FlashAttention's benchmark shape), at 512..16k
-    tokens per sequence, MHA and GQA 4:1, full and causal; plus cross-attention (Nq << Nk), decode (Nq = 1,
-    forward only) and one long sequence, at head dim 128."""
+def default_grid(head_dims=(64, 80, 96, 128, 192, 256), tokens: tuple[int, ...] | None = None) -> list[Shape]:
+    """16k and 2k tokens per call (``tokens``: some of those) at 2048 / head_dim query heads (FlashAttention's
+    benchmark shape), at 512..16k tokens per sequence, MHA and GQA 4:1, full and causal; plus cross-attention
+    (Nq << Nk), decode (Nq = 1, forward only) and one long sequence, at head dim 128."""
+    budgets = [(t, seqlens) for t, seqlens in TOKENS if tokens is None or t in tokens]
+    if tokens is not None and len(budgets) != len(set(tokens)):
+        raise ValueError(f"tokens per call must be among {', '.join(str(t) for t, _ in TOKENS)}, got {tokens}")
     grid = []
-    for (tokens, seqlens), d, causal, group in itertools.product(TOKENS, head_dims, (False, True), (1, 4)):
+    for (tokens, seqlens), d, causal, group in itertools.product(budgets, head_dims, (False, True), (1, 4)):
         heads = max(group, 2048 // d // group * group)
         for seqlen in seqlens:
             grid.append(Shape(max(1, tokens // seqlen), heads, heads // group, seqlen, seqlen, d, causal))
@@ -116,3 +119,31 @@ def table_document(entries: list[dict], command: str, device: str = "cuda") -> d
             "measured": datetime.date.today().isoformat(), "command": command, "commit": commit,
             "versions": versions, "flop_formula": costs.flop_count.__doc__.strip(),
             "timing": measure.TIMING, "entries": entries}
+
+
+_ENTRY_KEY = ("plan", "mode", "dtype", "head_dim", "head_dim_v", "causal", "batch", "heads_q", "heads_kv", "seqlen_q",
+              "seqlen_k")
+
+
+def merge_documents(docs: list[dict], where: list[str]) -> dict:
+    """One cost-table document from tables measured in parts (``attnforge tune --costs --head-dim ...`` runs) on one
+    kind of GPU: every entry once (the first document's where two measured the same class and plan), each part's
+    date, command, commit and versions kept under "parts"."""
+    tables = [costs.parse(doc, name) for doc, name in zip(docs, where)]
+    archs = {(t.arch, doc["device"]) for t, doc in zip(tables, docs)}
+    if len(archs) != 1:
+        raise costs.CostTableError(f"cannot merge tables of different GPUs: {sorted(archs)}")
+    seen, entries = set(), []
+    for doc in docs:
+        for entry in doc["entries"]:
+            key = tuple(entry[f] for f in _ENTRY_KEY)
+            if key not in seen:
+                seen.add(key)
+                entries.append(entry)
+    parts = [{k: doc.get(k) for k in ("measured", "command", "commit", "versions")} for doc in docs]
+    first = docs[0]
+    merged = {**first, "measured": max(doc["measured"] for doc in docs),
+              "command": " + ".join(doc["command"] for doc in docs), "commit": first.get("commit"),
+              "parts": parts, "entries": entries}
+    costs.parse(merged, "the merged table")
+    return merged

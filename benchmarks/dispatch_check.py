@@ -26,6 +26,7 @@ SHAPES = [
     ("odd length 1023 causal", 8, 16, 16, 1023, 1023, 128, True, ("fwd", "fwd+bwd")),
     ("head dim 80, 4k", 4, 32, 32, 4096, 4096, 80, False, ("fwd", "fwd+bwd")),
     ("head dim 96, 4k", 4, 24, 24, 4096, 4096, 96, False, ("fwd", "fwd+bwd")),
+    ("head dim 192, 4k causal", 4, 16, 16, 4096, 4096, 192, True, ("fwd", "fwd+bwd")),
     ("32 x 512 causal, d=64", 32, 32, 32, 512, 512, 64, True, ("fwd", "fwd+bwd")),
     ("cross-attention 256 x 8k", 8, 16, 4, 256, 8192, 128, False, ("fwd", "fwd+bwd")),
     ("decode 1 x 8k, batch 64, GQA 32/8", 64, 32, 8, 1, 8192, 128, False, ("fwd",)),

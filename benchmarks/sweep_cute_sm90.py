@@ -34,6 +34,25 @@ CANDIDATES = {
           Sm90FwdTile(192, 64, 2, **WG3)],
     256: [Sm90FwdTile(128, 80, 2, **WG2), Sm90FwdTile(128, 64, 2, **WG2), Sm90FwdTile(128, 96, 2, **WG2)],
 }
+# The other head dims' ranges (variants.FWD_RANGES), with the TMA-store epilogue they need where padded
+_TS = dict(tma_store=True)
+CANDIDATES.update({
+    48: [Sm90FwdTile(192, 128, 2, **WG3, **_TS), Sm90FwdTile(128, 128, 2, **WG2, **_TS),
+         Sm90FwdTile(128, 128, 2, persistent=True, **WG2, **_TS)],
+    80: [Sm90FwdTile(128, 128, 2, **WG2, **_TS), Sm90FwdTile(128, 128, 2, persistent=True, **WG2, **_TS),
+         Sm90FwdTile(192, 96, 2, **WG3, **_TS), Sm90FwdTile(128, 160, 2, **WG2, **_TS),
+         Sm90FwdTile(128, 176, 2, **WG2, **_TS)],
+    96: [Sm90FwdTile(128, 128, 2, **WG2, **_TS), Sm90FwdTile(128, 128, 2, persistent=True, **WG2, **_TS),
+         Sm90FwdTile(192, 96, 2, **WG3, **_TS), Sm90FwdTile(128, 160, 2, **WG2, **_TS),
+         Sm90FwdTile(128, 176, 2, **WG2, **_TS)],
+    112: [Sm90FwdTile(128, 128, 2, **WG2, **_TS), Sm90FwdTile(128, 128, 2, persistent=True, **WG2, **_TS)],
+    160: [Sm90FwdTile(128, 112, 2, **WG2, **_TS), Sm90FwdTile(128, 96, 2, **WG2, **_TS),
+          Sm90FwdTile(128, 128, 2, **WG2, **_TS)],
+    192: [Sm90FwdTile(128, 112, 2, **WG2, **_TS), Sm90FwdTile(128, 96, 2, **WG2, **_TS),
+          Sm90FwdTile(128, 80, 2, **WG2, **_TS), Sm90FwdTile(128, 64, 2, **WG2, **_TS),
+          Sm90FwdTile(128, 112, 2, persistent=True, **WG2, **_TS)],
+    224: [Sm90FwdTile(128, 64, 2, **WG2, **_TS), Sm90FwdTile(128, 80, 2, **WG2, **_TS)],
+})
 FP8_CANDIDATES = {  # FA3 uses 128x224 at d=128 for FP8
     64: [Sm90FwdTile(128, 128, 2, **WG2), Sm90FwdTile(128, 192, 2, **WG2), Sm90FwdTile(192, 128, 2, **WG3)],
     128: [Sm90FwdTile(192, 96, 2, **WG3), Sm90FwdTile(128, 128, 2, **WG2), Sm90FwdTile(128, 160, 2, **WG2),

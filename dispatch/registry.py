@@ -23,12 +23,16 @@ class Backend:
 
     ``autograd_native``: the forward is differentiable by torch autograd itself, so its backward
     follows from the forward (nothing else can take over), and it needs no saved LSE.
+
+    ``last_resort``: it serves everything slowly (the scores materialised tile by tile in torch ops), so a plan
+    that runs it, forward or backward, ranks after every plan that does not.
     """
 
     name: str = ""
     summary: str = ""
     support: Support
     autograd_native: bool = False
+    last_resort: bool = False
 
     def plan(self, problem: Problem) -> Planned:
         """The Variant that runs ``problem``'s forward, or None and one reason per unmet need."""

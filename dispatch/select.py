@@ -130,6 +130,11 @@ def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...]) -
     return Choice(name, variant, candidates, note)
 
 
+def _runs_last_resort(backends: dict, forward: str, backward: Choice | None) -> bool:
+    names = (forward,) if backward is None else (forward, backward.backend)
+    return any(backends[n].last_resort for n in names if n in backends)
+
+
 def plan_name(forward: str, backward: Choice | None) -> str:
     """A plan's name in cost tables: the forward backend, or ``forward+backward`` when grad is needed."""
     return forward if backward is None else f"{forward}+{backward.backend}"
@@ -173,6 +178,9 @@ def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> De
                 reasons = ["no backend can run the backward after its forward (see the backward candidates)"]
         verdicts[name] = (variant, list(reasons), bwd)
     eligible = [n for n in fwd_order if n in verdicts and not verdicts[n][1]]
+    # a fast forward followed by the last resort's backward (a head dim only the forward has) must not beat a
+    # fast pair: plans that run a last-resort backend go after the others, in their order
+    eligible.sort(key=lambda n: _runs_last_resort(backends, n, verdicts[n][2]))
     table = None if forced else cost_model.table(problem.device.arch)
     mode = "fwd+bwd" if problem.needs_grad else "fwd"
     estimates = {n: table.estimate(plan_name(n, verdicts[n][2]), problem, mode) for n in eligible} if table else {}

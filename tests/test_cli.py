@@ -146,7 +146,8 @@ def test_build_says_why_nothing_was_planned(capsys, args, why):
 
 
 @pytest.mark.parametrize(("backend", "target", "reason"), [
-    ("cute_sm90", "sm90", "cute_sm90: head_dim 100 has no cute_sm90 kernel (has 64, 128, 256)"),
+    ("cute_sm90", "sm90", "cute_sm90: head_dim 100 has no cute_sm90 kernel for 16bit inputs (has every multiple of 8 "
+                          "up to 256)"),
     ("cute_sm100", "sm100", "cute_sm100: head_dim 100 has no cute_sm100 kernel (has 64, 128)"),
     ("triton_fa2", "sm90", "triton_fa2 sm90: head_dim 100 has no triton_fa2 variant (has 32, 64, 96, 128, 192, 256)"),
 ])
@@ -174,3 +175,10 @@ def test_an_unusable_cache_is_a_one_line_error(capsys, monkeypatch, tmp_path):
                  "--out", str(tmp_path / "cache")]) == 2
     err = capsys.readouterr().err
     assert err == f"attnforge: error: [Errno 13] Permission denied: '{path}'\n"
+
+
+def test_build_jobs_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["build", "--target", "sm90", "--jobs", "0", "--list"])
+    assert "--jobs: must be at least 1, got 0" in capsys.readouterr().err
+

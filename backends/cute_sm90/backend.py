@@ -143,7 +143,7 @@ class CuteSm90Backend(Backend):
                 if strict:
                     raise ValueError(f"cute_sm90 builds {', '.join(cc.DTYPES)}, not {dtype!r}")
                 continue
-            for head_dim in head_dims or variants.HEAD_DIMS:
+            for head_dim in head_dims or variants.HEAD_DIMS_OF[cc.KIND[dtype]]:
                 tile, why = variants.pick(cc.KIND[dtype], head_dim)
                 if tile is None:
                     if strict:

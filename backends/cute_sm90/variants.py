@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 
-HEAD_DIMS = (64, 128, 256)
-KINDS = ("16bit", "fp8")  # fp16/bf16 in, same out; e4m3 in (with descales), bf16 out
+# FlashAttention's sm90 head dims: every multiple of 8 up to 256 (16-bit). FP8 keeps the three it was tuned at.
+HEAD_DIMS_OF = {"16bit": tuple(range(8, 257, 8)), "fp8": (64, 128, 256)}
+HEAD_DIMS = HEAD_DIMS_OF["16bit"]
+KINDS = ("16bit", "fp8")
+# The WGMMA K step in elements (16-bit: k16, e4m3: k32): Q K^T runs over the head dim in these steps, so the
+# kernel pads the head dim up to a multiple of it (see padded_head_dim).
+K_STEP = {"16bit": 16, "fp8": 32}  # fp16/bf16 in, same out; e4m3 in (with descales), bf16 out
 SMEM_BYTES = 232448  # 227 KiB, the sm90 opt-in maximum per block
 REGISTERS_PER_SM = 65536
 ELEMENT_BYTES = {"16bit": 2, "fp8": 1}
@@ -23,6 +28,13 @@ OUT_BYTES = 2  # every kind's output is 16-bit (FP8 gives bf16)
 # Per consumer thread, beyond its accumulators and P: addresses, row statistics, loop state. A rough
 # figure (the 128x128 d128 kernel compiled at 168 registers with 160 in tiles; ptxas decides).
 REGISTER_OVERHEAD = 32
+
+
+def padded_head_dim(head_dim: int, kind: str = "16bit") -> int:
+    """The head dim the kernel computes with: ``head_dim`` rounded up to the WGMMA K step. TMA zero-fills the
+    padding columns of Q, K and V on load and clips them on O's store (HEAD_DIM in the template)."""
+    step = K_STEP[kind]
+    return -(-head_dim // step) * step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +70,8 @@ class Sm90FwdTile:
                 f"{'_to' if self.tma_store else ''}")
 
     def params(self, head_dim: int, kind: str = "16bit") -> dict:
-        return {**dataclasses.asdict(self), "head_dim": head_dim, "kind": kind, "o_in_q": self.o_in_q(head_dim, kind)}
+        return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": padded_head_dim(head_dim, kind),
+                "kind": kind, "o_in_q": self.o_in_q(head_dim, kind)}
 
     def o_in_q(self, head_dim: int, kind: str = "16bit") -> bool:
         """Whether tma_store stages O in Q's buffer (O_IN_Q in the template): each consumer warpgroup writes its 64
@@ -72,6 +85,7 @@ class Sm90FwdTile:
         return self._smem_bytes(head_dim, kind, own_o_buffer=self.tma_store and not self.o_in_q(head_dim, kind))
 
     def _smem_bytes(self, head_dim: int, kind: str, own_o_buffer: bool) -> int:
+        head_dim = padded_head_dim(head_dim, kind)
         tiles = self.tile_m * head_dim + 2 * self.kv_stages * self.tile_n * head_dim  # Q, K and V stages
         ones = ELEMENT_BYTES[kind] * 8 * self.tile_n + 1024 if self.row_sum_mma else 0  # all-ones block, 1024-aligned
         out = OUT_BYTES * self.tile_m * head_dim + 1024 if own_o_buffer else 0  # O's staging buffer, 1024-aligned
@@ -81,6 +95,7 @@ class Sm90FwdTile:
         """Per consumer thread: S (64 x tile_n fp32), O (64 x head_dim fp32) and P (16-bit: two per
         register; fp8: four) over a warpgroup's 128 threads, plus REGISTER_OVERHEAD."""
         p_per_register = 4 // ELEMENT_BYTES[kind]
+        head_dim = padded_head_dim(head_dim, kind)
         return (64 * self.tile_n + 64 * head_dim + 64 * self.tile_n // p_per_register) // 128 + REGISTER_OVERHEAD
 
     def describe(self, head_dim: int | None = None) -> str:
@@ -97,8 +112,14 @@ def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
     if kind not in ELEMENT_BYTES:
         reasons.append(f"unknown input kind {kind!r}")
         return reasons
-    if head_dim not in HEAD_DIMS:
-        reasons.append(f"head_dim {head_dim} has no cute_sm90 kernel (has {', '.join(map(str, HEAD_DIMS))})")
+    if head_dim not in HEAD_DIMS_OF[kind]:
+        reasons.append(f"head_dim {head_dim} has no cute_sm90 kernel for {kind} inputs ({served(kind)})")
+    elif padded_head_dim(head_dim, kind) != head_dim:
+        if not tile.tma_store:
+            reasons.append(f"{name}: head_dim {head_dim} is padded to {padded_head_dim(head_dim, kind)} in the kernel, "
+                           "which needs the TMA-store epilogue (it clips the padding columns)")
+        if tile.tail_split:
+            reasons.append(f"{name}: tail_split's workspaces are not padded (head_dim {head_dim})")
     if tile.consumer_warpgroups not in (1, 2, 3) or tile.tile_m != 64 * tile.consumer_warpgroups:
         reasons.append(f"{name}: tile_m must be 64 x consumer warpgroups (1-3), one WGMMA row block each")
     if tile.tile_n % 16 or not 16 <= tile.tile_n <= 256:
@@ -202,6 +223,33 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
     },
 }
 
+# The other 16-bit head dims (multiples of 8 without an entry in FWD): the tiles of the first range whose
+# upper bound is at least the head dim. H200 sweep (benchmarks/results/2026-12-01-h200-head-dims/sweep.json,
+# bf16, 16k tokens, heads 2048/d, kernel alone), TFLOP/s at N=16k full/causal (N=4k full/causal):
+# - d=48: 192x128 3 warpgroups 448/396 (428/353); 128x128 381/357, persistent 388/360.
+# - d=80: 192x96 3 warpgroups 534/495 (514/447); 128x128 505/450, persistent 501/450, 128x160 496/431,
+#   128x176 514/450.
+# - d=96: 128x176 586/519 (549/484); 192x96 3 warpgroups 600/481 (576/453), 128x128 573/513, persistent
+#   575/498, 128x160 567/503. 128x176 has the best sum over the four.
+# - d=112: 128x128 persistent 596/524 (568/503), one CTA per tile 591/524 (565/503).
+# - d=160: 128x128 686/675 (655/580); 128x112 667/605, 128x96 650/601.
+# - d=192: 128x112 718/658 (702/591); 128x96 715/659 (684/597), 128x80 696/626, 128x64 671/606. (128x128
+#   and a persistent 128x112 do not fit in shared memory.)
+# - d=224: 128x80 687/594 (656/579); 128x64 657/573.
+# Later entries in a list are for head dims of the range where the first does not fit (check()).
+FWD_RANGES: dict[str, list[tuple[int, list[Sm90FwdTile]]]] = {
+    "16bit": [
+        (64, [Sm90FwdTile(192, 128, 2, tma_store=True, accepted_spill_bytes=16, **WG3)]),
+        (80, [Sm90FwdTile(192, 96, 2, tma_store=True, **WG3)]),
+        (96, [Sm90FwdTile(128, 176, 2, tma_store=True, **WG2)]),
+        (128, [Sm90FwdTile(128, 128, 2, persistent=True, tma_store=True, **WG2)]),
+        (160, [Sm90FwdTile(128, 128, 2, tma_store=True, **WG2), Sm90FwdTile(128, 112, 2, tma_store=True, **WG2)]),
+        (192, [Sm90FwdTile(128, 112, 2, tma_store=True, **WG2), Sm90FwdTile(128, 96, 2, tma_store=True, **WG2)]),
+        (224, [Sm90FwdTile(128, 80, 2, tma_store=True, **WG2), Sm90FwdTile(128, 64, 2, tma_store=True, **WG2)]),
+        (256, [Sm90FwdTile(128, 64, 2, tma_store=True, **WG2)]),
+    ],
+}
+
 
 # Where triton_fa2 measured faster on the H200: (kind, head_dim) -> ([from, below) seqlen_k, the measurement
 # the Decision quotes). Empty: d=64 had (1024, 4096) from benchmarks/results/2026-11-29-h200-cute_sm90/
@@ -212,11 +260,20 @@ FWD: dict[str, dict[int, list[Sm90FwdTile]]] = {
 TRITON_FASTER: dict[tuple[str, int], tuple[int, int, str]] = {}
 
 
+def served(kind: str) -> str:
+    """The head dims served for ``kind``, said briefly."""
+    dims = HEAD_DIMS_OF.get(kind, ())
+    if dims == tuple(range(8, 257, 8)):
+        return "has every multiple of 8 up to 256"
+    return f"has {', '.join(map(str, dims))}" if dims else "none"
+
+
 def pick(kind: str, head_dim: int) -> tuple[Sm90FwdTile | None, list[str]]:
     """The tile for (kind, head_dim): the first in the table that passes check(), or the reasons."""
-    candidates = FWD.get(kind, {}).get(head_dim)
-    if not candidates:
-        return None, [f"head_dim {head_dim} has no cute_sm90 kernel (has {', '.join(map(str, HEAD_DIMS))})"]
+    candidates = FWD.get(kind, {}).get(head_dim) or next(
+        (tiles for bound, tiles in FWD_RANGES.get(kind, ()) if head_dim <= bound), None)
+    if not candidates or head_dim not in HEAD_DIMS_OF.get(kind, ()):
+        return None, [f"head_dim {head_dim} has no cute_sm90 kernel for {kind} inputs ({served(kind)})"]
     reasons = []
     for tile in candidates:
         why = check(tile, head_dim, kind)
@@ -230,7 +287,7 @@ def picks() -> list[tuple[str, int, Sm90FwdTile]]:
     """(kind, head_dim, tile) for every kernel the heuristic can pick: what codegen renders."""
     out = []
     for kind in FWD:
-        for head_dim in HEAD_DIMS:
+        for head_dim in HEAD_DIMS_OF[kind]:
             tile, _ = pick(kind, head_dim)
             if tile is not None:
                 out.append((kind, head_dim, tile))

@@ -18,6 +18,7 @@ def _no_autocast(t):
 class ReferenceBackend(Backend):
     name = "reference"
     summary = "attnforge's tiled online softmax in PyTorch, fp32 accumulation (fp64 for fp64 inputs)"
+    last_resort = True
     support = Support(
         vendors=frozenset({"nvidia", "amd", "cpu"}),
         dtypes=frozenset({"fp16", "bf16", "fp32", "fp64"}),

@@ -129,6 +129,6 @@ def compile_arguments(module, dtype: str, causal: bool, arch: str):
     and the fake arguments it is traced with (the module says whether it takes the CTA count and the tail
     split's workspaces: MAX_CTAS_ARGUMENT, TAIL_SPLIT)."""
     element, out_element = elements(dtype, arch)
-    args = fake_arguments(dtype, module.HEAD_DIM, arch, takes_max_ctas=getattr(module, "MAX_CTAS_ARGUMENT", False),
+    args = fake_arguments(dtype, getattr(module, "INPUT_HEAD_DIM", module.HEAD_DIM), arch, takes_max_ctas=getattr(module, "MAX_CTAS_ARGUMENT", False),
                           tail_split=getattr(module, "TAIL_SPLIT", False))
     return module.Forward(element, out_element, causal), args

@@ -3,11 +3,13 @@ none), and the dispatcher ranks eligible plans by them, showing the evidence; fo
 
 import json
 from importlib import resources
+from unittest import mock
 
 import pytest
 
 import attnforge
 from attnforge.dispatch import costs, select
+from attnforge.api import explain
 from attnforge.dispatch.costs import CostTableError
 
 SHAPE = dict(dtype="bf16", head_dim=128, head_dim_v=128, causal=True, batch=4, heads_q=16, heads_kv=16,
@@ -148,14 +150,19 @@ def test_the_tuner_writes_a_table_the_dispatcher_reads():
 @pytest.mark.cost_tables
 def test_the_shipped_h200_table_routes_by_its_measurements():
     """What dispatch/costs/sm90.json measured on the H200: cuDNN's pair trains fastest at d=256 and at 32 x 512,
-    cute_sm90 serves long forwards, sdpa serves d=96 and decode."""
+    cute_sm90 serves long forwards (d=96 and d=192 from 4k tokens too), sdpa serves 512-token d=96 calls and
+    decode."""
     if costs.table("sm90") is None:
         pytest.skip("no sm90 cost table in this build")
     d = explain(device="H200", head_dim=256, seqlen_q=8192, batch=2, heads=8, needs_grad=True)
     assert (d.forward.backend, d.backward.backend) == ("sdpa", "sdpa") and not d.fallback
     assert "measured on NVIDIA H200" in d.forward.note
     assert explain(device="H200", seqlen_q=16384, batch=1).forward.backend == "cute_sm90"
-    assert explain(device="H200", head_dim=96, seqlen_q=4096, heads=24, causal=False).forward.backend == "sdpa"
+    assert explain(device="H200", head_dim=96, seqlen_q=4096, heads=24, causal=False).forward.backend == "cute_sm90"
+    assert explain(device="H200", head_dim=192, seqlen_q=4096, batch=4, heads=10).forward.backend == "cute_sm90"
+    assert explain(device="H200", head_dim=96, seqlen_q=512, batch=32, heads=21).forward.backend == "sdpa"
+    train = explain(device="H200", head_dim=80, seqlen_q=4096, batch=4, heads=25, needs_grad=True)
+    assert (train.forward.backend, train.backward.backend) == ("sdpa", "sdpa")
     decode = explain(device="H200", seqlen_q=1, seqlen_k=8192, batch=64, heads=32, kv_heads=8, causal=False)
     assert decode.forward.backend == "sdpa"
     fp8 = explain(device="H200", dtype="fp8", seqlen_q=16384, batch=1)
@@ -185,3 +192,52 @@ def test_the_default_tune_grid_covers_model_shapes(shape):
     modes = ("fwd",) if d.problem.seqlen_q == 1 else costs.MODES
     for mode in modes:
         assert t.estimate("p", d.problem, mode) is not None, mode
+
+
+def test_tables_measured_in_parts_merge_with_the_first_entry_winning(tmp_path, capsys):
+    from attnforge.cli import main
+
+    first = doc({"plan": "sdpa", "mode": "fwd", "tflops": 500.0}, {"plan": "cute_sm90", "mode": "fwd", "tflops": 600.0})
+    second = doc({"plan": "sdpa", "mode": "fwd", "tflops": 400.0}, {"plan": "sdpa", "mode": "fwd+bwd", "tflops": 300.0})
+    second.update(measured="2026-12-02", command="attnforge tune --costs --head-dim 64")
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, d in zip(paths, (first, second)):
+        path.write_text(json.dumps(d))
+    out = tmp_path / "m.json"
+    assert main(["tune", "--costs", "--merge", *map(str, paths), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert sorted((e["plan"], e["mode"], e["tflops"]) for e in merged["entries"]) == [
+        ("cute_sm90", "fwd", 600.0), ("sdpa", "fwd", 500.0), ("sdpa", "fwd+bwd", 300.0)]
+    assert merged["measured"] == "2026-12-02" and [p["measured"] for p in merged["parts"]] == ["2026-12-01", "2026-12-02"]
+    costs.parse(merged, "merged")
+    other = dict(second, device="NVIDIA H200")
+    paths[1].write_text(json.dumps(other))
+    assert main(["tune", "--costs", "--merge", *map(str, paths), "--out", str(out)]) == 2
+    assert "cannot merge tables of different GPUs" in capsys.readouterr().err
+    paths[1].write_text("[]")
+    assert main(["tune", "--costs", "--merge", *map(str, paths), "--out", str(out)]) == 2
+    assert "not an attnforge-costs/1 document" in capsys.readouterr().err
+
+
+def test_the_grid_takes_a_tokens_budget():
+    from attnforge.bench import costs as bench_costs
+
+    small = bench_costs.default_grid(head_dims=(128,), tokens=(2048,))
+    assert all(s.batch == max(1, 2048 // s.seqlen_q) for s in small[:-3])
+    assert len(bench_costs.default_grid(head_dims=(128,))) == 2 * len(small) - 3
+    with pytest.raises(ValueError, match="tokens per call must be among 16384, 2048"):
+        bench_costs.default_grid(tokens=(4096,))
+
+
+def test_a_plan_with_the_last_resort_backward_ranks_after_a_fast_pair():
+    """cute_sm90 serves d=80 forwards, and only the reference could follow it backward (triton_fa2 has no d=80):
+    training goes to the sdpa pair, with or without a table."""
+    with_grad = dict(device="H200", dtype="bf16", head_dim=80, seqlen_q=4096, batch=4, heads=25, needs_grad=True)
+    for table in (None, costs.table("sm90")):
+        with mock.patch.object(costs, "table", lambda arch, t=table: t):
+            select.decide.cache_clear()
+            d = explain(**with_grad)
+            assert (d.forward.backend, d.backward.backend) == ("sdpa", "sdpa"), d
+    select.decide.cache_clear()
+    forced = explain(**with_grad, backend="cute_sm90")
+    assert (forced.forward.backend, forced.backward.backend) == ("cute_sm90", "reference")

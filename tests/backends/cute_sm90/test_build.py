@@ -47,15 +47,19 @@ def test_build_lists_both_sm90_backends(capsys):
 
 
 def test_build_all_leaves_out_head_dims_a_cute_backend_has_no_kernel_for(capsys):
-    """With the default --backend all, a head dim only triton_fa2 has builds triton_fa2's kernels; forcing
-    the CuTe backend to build it is an error that names the head dim."""
+    """With the default --backend all, a head dim only triton_fa2 has on a target builds triton_fa2's kernels
+    there; forcing the CuTe backend to build it is an error that names the head dim."""
     from attnforge.cli import main
 
     assert main(["build", "--target", "sm90,sm100", "--head-dim", "96", "--list"]) == 0
     out = capsys.readouterr().out
-    assert ".sm90.fp16.d96." in out and ".sm100.fp16.d96." in out and "cute_sm" not in out
-    assert main(["build", "--target", "sm90", "--backend", "cute_sm90", "--head-dim", "96", "--list"]) == 2
-    assert "head_dim 96 has no cute_sm90 kernel" in capsys.readouterr().err
+    assert ".sm90.fp16.d96." in out and ".sm100.fp16.d96." in out and "cute_sm100" not in out
+    assert "cute_sm90 fwd_16bit_d96_" in out  # every multiple of 8 up to 256 on sm90
+    assert main(["build", "--target", "sm100", "--backend", "cute_sm100", "--head-dim", "96", "--list"]) == 2
+    assert "head_dim 96 has no cute_sm100 kernel" in capsys.readouterr().err
+    assert main(["build", "--target", "sm90", "--backend", "cute_sm90", "--dtype", "fp8", "--head-dim", "96",
+                 "--list"]) == 2
+    assert "head_dim 96 has no cute_sm90 kernel for fp8" in capsys.readouterr().err
 
 
 @needs_cute
@@ -71,6 +75,21 @@ def test_prebuilt_kernel_is_loaded_not_compiled(tmp_path):
     loaded = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
     assert "loaded Function" in loaded.stdout
+
+
+@needs_cute
+def test_build_jobs_compiles_in_worker_processes_into_one_cache(tmp_path):
+    """--jobs 2: the kernels of two head dims (one padded by TMA's zero fill) compiled by two workers, one entry
+    each, and a second run finds every one cached."""
+    env = dict(os.environ, ATTNFORGE_CACHE_DIR=str(tmp_path))
+    args = [sys.executable, "-m", "attnforge", "build", "--target", "sm90", "--backend", "cute_sm90", "--dtype", "bf16",
+            "--head-dim", "40,96", "--causal", "false", "--jobs", "2"]
+    built = subprocess.run(args, env=env, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert built.stderr.count("built in") == 2 and "fwd_16bit_d40_" in built.stderr and "fwd_16bit_d96_" in built.stderr
+    assert len(list((tmp_path / "cute_sm90").glob("*.o"))) == 2
+    again = subprocess.run(args, env=env, capture_output=True, text=True)
+    assert again.returncode == 0 and again.stderr.count(": cached") == 2, again.stderr
 
 
 RUN_PREBUILT = REFUSE + """

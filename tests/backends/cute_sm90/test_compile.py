@@ -43,7 +43,7 @@ def test_variant_compiles_for_sm90a_with_wgmma_and_tma(tmp_path, variant):
     # cuobjdump leaves F16 (the default) unsaid
     element, k = {"fp16": ("", 16), "bf16": (r"\.BF16", 16), "fp8": (r"\.E4M3\.E4M3", 32)}[dtype]
     assert re.search(rf"{mma}\.64x{tile.tile_n}x{k}\.F32{element}\s", sass)  # S = Q K^T, one key block
-    assert re.search(rf"{mma}\.64x{head_dim}x{k}\.F32{element}\s", sass)  # O += P V
+    assert re.search(rf"{mma}\.64x{variants.padded_head_dim(head_dim, kind)}x{k}\.F32{element}\s", sass)  # O += P V (N: the padded head dim)
     # row sums of P by the tensor core (P times ones, N = 8) exactly where the table asks for them
     assert bool(re.search(rf"{mma}\.64x8x{k}\.F32{element}\s", sass)) == tile.row_sum_mma
     # the TMA-store epilogue (stmatrix into shared memory, then UTMASTG) exactly where the table asks for it

@@ -10,7 +10,7 @@ from attnforge.backends.cute_sm90.backend import Sm90Variant
 
 @pytest.mark.parametrize("device", ("H100", "H200"))
 @pytest.mark.parametrize("dtype", ("fp16", "bf16"))
-@pytest.mark.parametrize("head_dim", (64, 128, 256))
+@pytest.mark.parametrize("head_dim", (64, 128, 256, 96))
 def test_hopper_chooses_cute_sm90_and_triton_fa2_runs_the_backward(device, dtype, head_dim):
     d = explain(device=device, dtype=dtype, head_dim=head_dim, seqlen_q=4096, heads=16, kv_heads=4,
                 causal=True, needs_grad=True)
@@ -25,13 +25,25 @@ def test_hopper_chooses_cute_sm90_and_triton_fa2_runs_the_backward(device, dtype
 @pytest.mark.parametrize(("kw", "reason"), [
     (dict(dtype="fp32", head_dim=128), "dtype fp32 is not supported; supports bf16, fp16, fp8"),
     (dict(dtype="bf16", head_dim=512), "head_dim 512 > 256"),
-    (dict(dtype="bf16", head_dim=96), "head_dim 96 has no cute_sm90 kernel (has 64, 128, 256)"),
+    (dict(dtype="bf16", head_dim=100), "head_dim 100 has no cute_sm90 kernel for 16bit inputs (has every multiple "
+                                       "of 8 up to 256)"),
+    (dict(dtype="fp8", head_dim=96), "head_dim 96 has no cute_sm90 kernel for fp8 inputs (has 64, 128, 256)"),
     (dict(dtype="bf16", head_dim=128, dropout_p=0.1), "dropout_p > 0 is not supported"),
 ])
 def test_fallbacks_say_why(kw, reason):
     d = explain(device="H100", seqlen_q=1024, **kw)
     assert d.forward.backend != "cute_sm90" and d.fallback
     assert reason in d.forward.reasons_of("cute_sm90")
+
+
+@pytest.mark.parametrize("head_dim", (40, 80, 112, 160))
+def test_head_dims_triton_fa2_has_no_backward_for_train_through_sdpa(head_dim):
+    """cute_sm90 serves the forward; the backward has to follow it or pair with its own forward, and with
+    triton_fa2 lacking the head dim only the sdpa pair is left."""
+    d = explain(device="H200", dtype="bf16", head_dim=head_dim, seqlen_q=4096, causal=True)
+    assert d.forward.backend == "cute_sm90"
+    d = explain(device="H200", dtype="bf16", head_dim=head_dim, seqlen_q=4096, causal=True, needs_grad=True)
+    assert (d.forward.backend, d.backward.backend) == ("sdpa", "sdpa"), d
 
 
 def test_forcing_it_where_it_cannot_serve_raises_with_reasons():

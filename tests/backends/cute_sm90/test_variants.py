@@ -10,10 +10,42 @@ from attnforge.backends.cute_sm90.variants import Sm90FwdTile, check
 
 @pytest.mark.parametrize("kind", variants.KINDS)
 def test_every_head_dim_has_a_valid_pick(kind):
-    for head_dim in variants.HEAD_DIMS:
+    for head_dim in variants.HEAD_DIMS_OF[kind]:
         tile, reasons = variants.pick(kind, head_dim)
         assert tile is not None and not reasons and not check(tile, head_dim, kind)
-    assert [(k, d) for k, d, _ in variants.picks()] == [(k, d) for k in variants.KINDS for d in variants.HEAD_DIMS]
+    assert [(k, d) for k, d, _ in variants.picks()] == [(k, d) for k in variants.KINDS for d in variants.HEAD_DIMS_OF[k]]
+
+
+def test_16bit_serves_every_multiple_of_8_up_to_256_as_flash_attention_does():
+    assert variants.HEAD_DIMS_OF["16bit"] == tuple(range(8, 257, 8))
+    for head_dim in (4, 12, 100, 264, 512):
+        tile, reasons = variants.pick("16bit", head_dim)
+        assert tile is None and any(f"head_dim {head_dim} has no cute_sm90 kernel" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize(("head_dim", "kind", "padded"), [(8, "16bit", 16), (40, "16bit", 48), (64, "16bit", 64),
+                                                          (72, "16bit", 80), (248, "16bit", 256), (64, "fp8", 64),
+                                                          (96, "fp8", 96), (80, "fp8", 96)])
+def test_head_dims_pad_to_the_wgmma_k_step(head_dim, kind, padded):
+    assert variants.padded_head_dim(head_dim, kind) == padded
+
+
+def test_a_padded_head_dim_needs_the_tma_store_epilogue_and_no_tail_split():
+    reasons = check(Sm90FwdTile(128, 128), 40)
+    assert any("padded to 48" in r and "TMA-store epilogue" in r for r in reasons), reasons
+    assert any("tail_split" in r for r in check(Sm90FwdTile(128, 128, tma_store=True, tail_split=True), 40))
+    assert not check(Sm90FwdTile(128, 128, tma_store=True), 40)
+    assert not check(Sm90FwdTile(128, 128), 48)  # a multiple of 16 needs no padding
+
+
+def test_fp8_keeps_the_head_dims_it_was_tuned_at():
+    assert variants.HEAD_DIMS_OF["fp8"] == (64, 128, 256)
+    assert any("head_dim 96 has no cute_sm90 kernel for fp8" in r for r in check(Sm90FwdTile(128, 128), 96, "fp8"))
+
+
+def test_shared_memory_and_registers_count_the_padded_head_dim():
+    tile = Sm90FwdTile(128, 128, tma_store=True)
+    assert tile.smem_bytes(72) == tile.smem_bytes(80) and tile.registers_needed(72) == tile.registers_needed(80)
 
 
 def test_fp8_needs_32_key_blocks():
@@ -29,7 +61,7 @@ def test_fp8_needs_32_key_blocks():
     (Sm90FwdTile(192, 128, consumer_warpgroups=3, consumer_registers=240), 64, "registers per CTA > 65536"),
     (Sm90FwdTile(128, 256, consumer_registers=160), 128, "registers per consumer thread, has 160"),
     (Sm90FwdTile(128, 128, cluster=(2, 1)), 128, "clusters are not implemented"),
-    (Sm90FwdTile(128, 128), 96, "head_dim 96 has no cute_sm90 kernel"),
+    (Sm90FwdTile(128, 128), 100, "head_dim 100 has no cute_sm90 kernel"),
 ])
 def test_check_names_what_is_wrong(tile, head_dim, needle):
     assert any(needle in r for r in check(tile, head_dim)), check(tile, head_dim)
