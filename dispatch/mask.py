@@ -58,6 +58,11 @@ class Mask:
         return self.window[1]
 
     @property
+    def window_bounds(self) -> tuple[int, int]:
+        """(left, right) keys beside the diagonal a row sees, causal folded into right (-1: unbounded)."""
+        return self.window[0], self.right
+
+    @property
     def by_rule(self) -> bool:
         """Whether some key can be hidden by the rule (causal or a window)."""
         return self.causal or self.windowed

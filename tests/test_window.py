@@ -14,7 +14,10 @@ from attnforge.testing import assert_close, assert_grads_close, oracle, peer_err
 
 WINDOWS = [(False, (3, 2)), (True, (4, -1)), (False, (-1, 0)), (True, (0, 0)), (False, (5, -1)), (True, (30, 7))]
 LENGTHS = [(17, 17), (1, 113), (17, 40), (40, 17), (113, 113)]
-SERVING = [name for name, b in registered().items() if b.support.window and "cpu" in b.support.vendors]
+# The backends that serve these fp32 CPU calls; the Triton kernels' windows run in the interpreter
+# (tests/backends/triton_fa2/interpreter/test_window.py).
+SERVING = [name for name, b in registered().items()
+           if b.support.window and "cpu" in b.support.vendors and "fp32" in b.support.dtypes]
 
 
 @pytest.mark.parametrize("causal,window", WINDOWS)
@@ -88,11 +91,22 @@ def test_a_bad_window_size_is_named(bad, gen):
         attnforge.attention(q, k, v, window_size=bad)
 
 
-@pytest.mark.parametrize("device", ["H100", "A100", "B200", "MI300X"])
-def test_kernels_without_a_window_say_so(device):
-    d = attnforge.explain(device=device, dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, window_size=(1024, 0))
-    fast = d.preferred
-    assert "a sliding window is not supported" in d.forward.reasons_of(fast)
+@pytest.mark.parametrize("device,triton", [("H100", "triton_fa2"), ("B200", "triton_fa2"), ("A100", "triton_fa2"),
+                                           ("MI300X", "triton_rocm")])
+def test_the_triton_kernels_serve_windows_and_the_cute_kernels_say_why_not(device, triton):
+    d = attnforge.explain(device=device, dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, window_size=(1024, 0),
+                          needs_grad=True)
+    assert (d.forward.backend, d.backward.backend) == (triton, triton)
+    assert d.forward.variant.local and d.backward.variant.local and d.forward.variant.name.endswith(".causal.local")
+    if d.preferred != triton:  # the CuTe kernels have no window yet
+        assert "a sliding window is not supported" in d.forward.reasons_of(d.preferred)
+    else:
+        assert not d.fallback
+
+
+def test_sdpa_says_it_materialises_the_window_mask():
+    d = attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, window_size=(1024, 0),
+                          backend="sdpa")
     assert d.forward.backend == "sdpa" and "materialised 4096 x 4096 mask" in d.forward.describe()
 
 

@@ -38,8 +38,12 @@ def builds(variant, path) -> list[KernelBuild]:
     for kernel in KERNELS[variant.family]:
         fn = kernel_function(str(path), kernel)
         sig, aligned = signature(fn, variant.dtype)
-        causal = variant.causal if "CAUSAL" in dict(sig) else False  # preprocess has no causal variant
-        constexprs = (("HEAD_DIM", pad), ("D", variant.head_dim)) + ((("CAUSAL", causal),) if "CAUSAL" in dict(sig) else ())
+        names = dict(sig)
+        local = getattr(variant, "local", False)
+        # as launch() passes them: a LOCAL kernel takes its window as arguments, with CAUSAL off (folded into it)
+        causal = variant.causal and not local if "CAUSAL" in names else False  # preprocess has no causal variant
+        constexprs = ((("HEAD_DIM", pad), ("D", variant.head_dim)) + ((("CAUSAL", causal),) if "CAUSAL" in names else ())
+                      + ((("LOCAL", local),) if "LOCAL" in names else ()))
         out.append(KernelBuild(str(path), tile.module, kernel, variant.arch, variant.dtype, variant.head_dim, causal,
                                tile.num_warps, tile.num_stages, sig, constexprs, aligned, options))
     return out

@@ -33,6 +33,11 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _window(variant, call) -> tuple[int, int] | None:
+    """The (left, right) window a LOCAL variant's kernels take, causal folded in; None for the others."""
+    return call.mask.window_bounds if variant.local else None
+
+
 @dataclasses.dataclass(frozen=True)
 class TritonVariant(Variant):
     """One generated Triton module (a forward or a backward tile) for an arch, head dim, dtype and causality.
@@ -48,11 +53,12 @@ class TritonVariant(Variant):
     causal: bool
     tuned: bool = False
     interpreted: bool = False
+    local: bool = False  # a sliding window (the kernels' LOCAL; the window itself is the call's)
 
     @property
     def name(self) -> str:
         return (f"{self.tile.module}.{self.arch}.{self.dtype}.d{self.head_dim}."
-                f"{'causal' if self.causal else 'full'}")
+                f"{'causal' if self.causal else 'full'}{'.local' if self.local else ''}")
 
     def describe(self) -> str:
         return (self.tile.describe() + (" (tuned)" if self.tuned else "")
@@ -84,6 +90,7 @@ class TritonFA2Backend(Backend):
         max_head_dim=max(variants.HEAD_DIMS),
         dropout=False,  # not implemented (no Philox mask yet); sdpa serves dropout
         empty=False,  # zero-sized grids; reference serves empty problems
+        window=True,  # LOCAL kernels: key (query) blocks outside the window are skipped, its edges masked
     )
 
     def available(self) -> list[str]:
@@ -97,12 +104,13 @@ class TritonFA2Backend(Backend):
         return self.variants_table.FWD if family == "fwd" else self.variants_table.BWD
 
     def _variant(self, family: str, arch: str, head_dim: int, dtype: str, causal: bool,
-                 interpreted: bool = False) -> Planned:
+                 interpreted: bool = False, local: bool = False) -> Planned:
         tile, reasons = variants.pick(self._table(family), arch, head_dim, backend=self.name)
         if tile is None:
             return None, reasons
         tuned = self.variants_table is variants and tile == variants.tuned_tile(family, arch, head_dim)
-        return TritonVariant(family, tile, self.templates[family], arch, head_dim, dtype, causal, tuned, interpreted), []
+        return TritonVariant(family, tile, self.templates[family], arch, head_dim, dtype, causal, tuned, interpreted,
+                             local), []
 
     def _plan_family(self, problem: Problem, family: str) -> Planned:
         reasons = []
@@ -112,7 +120,8 @@ class TritonFA2Backend(Backend):
         if problem.head_dim_v != problem.head_dim:
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         arch = self.interpreter_arch if cpu else problem.device.arch
-        variant, why = self._variant(family, arch, problem.head_dim, problem.dtype, problem.causal, cpu)
+        variant, why = self._variant(family, arch, problem.head_dim, problem.dtype, problem.causal, cpu,
+                                     problem.mask.windowed)
         reasons += why
         return (None, reasons) if reasons else (variant, [])
 
@@ -147,12 +156,13 @@ class TritonFA2Backend(Backend):
         q, k, v = _unit_stride(call.q), _unit_stride(call.k), _unit_stride(call.v)
         out = torch.empty_like(q)  # same strides as q when q is dense (bshd stays bshd), else contiguous
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        variant.module.launch(q, k, v, out, lse, causal=variant.causal, scale=call.scale)
+        variant.module.launch(q, k, v, out, lse, causal=variant.causal, scale=call.scale, window=_window(variant, call))
         return out, lse
 
     def backward(self, variant: TritonVariant, call, out, lse, dout, dlse=None):
         q, k, v, dout = _unit_stride(call.q), _unit_stride(call.k), _unit_stride(call.v), _unit_stride(dout)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dlse = None if dlse is None else dlse.to(torch.float32)
-        variant.module.launch(q, k, v, out, lse, dout, dq, dk, dv, causal=variant.causal, scale=call.scale, dlse=dlse)
+        variant.module.launch(q, k, v, out, lse, dout, dq, dk, dv, causal=variant.causal, scale=call.scale, dlse=dlse,
+                              window=_window(variant, call))
         return dq, dk, dv

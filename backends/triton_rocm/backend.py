@@ -21,4 +21,5 @@ class TritonRocmBackend(TritonFA2Backend):
         max_head_dim=max(variants.HEAD_DIMS),
         dropout=False,
         empty=False,
+        window=True,  # the shared template's LOCAL kernels
     )
