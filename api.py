@@ -12,7 +12,8 @@ from .dispatch import registry
 from .dispatch.call import Call
 from .dispatch.decision import Decision
 from .dispatch.mask import CAUSAL, NONE, Mask
-from .dispatch.problem import (Problem, check_attn_mask, check_causal, check_dropout, check_scale, dtype_name,
+from .dispatch.problem import (Problem, check_attn_mask, check_causal, check_dropout, check_scale, check_softcap,
+                               dtype_name,
                                 problem_from_tensors, validate_tensors)
 from .dispatch.select import decide, decide_call, forced_backend
 from .errors import BackendUnavailableError, InvalidInputError
@@ -91,7 +92,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               scale: float | None = None, dropout_p: float = 0.0, layout: str = "bhsd",
               return_lse: bool = False, backend: str | None = None, q_descale: torch.Tensor | None = None,
               k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
-              window_size: tuple[int, int] = (-1, -1)):
+              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     """Exact attention softmax(q k^T * scale) v on the best backend for the device, dtype and shapes.
 
     q: (batch, heads_q, seqlen_q, head_dim), k: (batch, heads_kv, seqlen_k, head_dim),
@@ -105,8 +106,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (fp32, (batch, heads_kv), positive, default 1) dequantise: the result is attention of descale * x.
     ``window_size=(left, right)``: a sliding window, FlashAttention's: query i sees key j iff
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, -1 meaning unbounded; with
-    ``causal``, right is 0.
+    ``causal``, right is 0. ``softcap`` > 0 caps the scaled scores as softcap * tanh(scores / softcap)
+    (FlashAttention's ``softcap``, Gemma 2's ``attn_logit_softcapping``); 0 leaves them as they are.
     """
+    if softcap.__class__ is not float or softcap:  # (hot path: the default 0.0 is one type test)
+        softcap = check_softcap(softcap)
+        if softcap and torch.compiler.is_compiling():
+            raise InvalidInputError("softcap inside torch.compile is not supported yet; call attention() eagerly")
     # (getattr: q may be anything here; the validation in _run names what is wrong)
     fp8 = getattr(q, "dtype", None) == torch.float8_e4m3fn
     if fp8 or q_descale is not None or k_descale is not None or v_descale is not None:
@@ -117,14 +123,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             validate_tensors(q, k, v, layout)  # names a q, k or v that is not a tensor first
         descale = _fp8_descale(q, k, descales, layout)
         return _run(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend,
-                    descale=descale)
+                    descale=descale, softcap=softcap)
     if torch.compiler.is_compiling():
         return _traced(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend)
     if window_size.__class__ is tuple and window_size == _UNBOUNDED:  # (hot path: inline)
         mask = CAUSAL if causal is True else NONE if causal is False else _causal_mask(causal)
     else:
         mask = _causal_mask(causal, window_size)
-    return _run(q, k, v, mask, scale, dropout_p, layout, return_lse, backend)
+    return _run(q, k, v, mask, scale, dropout_p, layout, return_lse, backend, softcap=softcap)
 
 
 _UNBOUNDED = (-1, -1)
@@ -215,15 +221,16 @@ def autocast_inputs(q, k, v):
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_DTYPES else t for t in (q, k, v))
 
 
-def _run(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, descale=None, attn_mask=None):
+def _run(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, descale=None, attn_mask=None,
+         softcap: float = 0.0):
     """Decide (a dict lookup for a repeated call signature), then run the decided Variants on one Call."""
     if descale is None:
         q, k, v = autocast_inputs(q, k, v)
-    decision = decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend)
+    decision = decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend, softcap=softcap > 0)
     scale = check_scale(scale, q.shape[-1])
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    call = Call(q, k, v, scale, mask, dropout_p, descale, attn_mask)
+    call = Call(q, k, v, scale, mask, dropout_p, descale, attn_mask, softcap)
     fwd = registry.get(decision.forward.backend)
     # the decision is per call signature, grad mode and requires_grad included: its problem says it
     if fwd.autograd_native or not decision.problem.needs_grad:  # no graph to record: skip autograd.Function (~10 us)
@@ -323,7 +330,7 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
             seqlen_k: int | None = None, batch: int = 1, heads: int = 1, kv_heads: int | None = None,
             causal: bool = False, dropout_p: float = 0.0, needs_grad: bool = False,
             head_dim_v: int | None = None, return_lse: bool = False, layout: str = "bhsd",
-            backend: str | None = None, window_size: tuple[int, int] = (-1, -1)) -> Decision:
+            backend: str | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Decision:
     """The Decision attention() would take, without running anything.
 
     Give tensors (their shapes and dtype are used) or plain shapes (dtype, head_dim and seqlen_q
@@ -337,7 +344,8 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
         problem = problem_from_tensors(q, k, v, spec, layout=layout, mask=_causal_mask(causal, window_size),
                                        dropout_p=dropout_p,
                                        return_lse=return_lse,
-                                       needs_grad=needs_grad or q.requires_grad or k.requires_grad or v.requires_grad)
+                                       needs_grad=needs_grad or q.requires_grad or k.requires_grad or v.requires_grad,
+                                       softcap=check_softcap(softcap) > 0)
     else:
         missing = [n for n, x in (("dtype", dtype), ("head_dim", head_dim), ("seqlen_q", seqlen_q)) if x is None]
         if missing:
@@ -348,5 +356,5 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
                           dtype=dtype_name(dtype), device=spec or devices.detect(),
                           mask=_causal_mask(causal, window_size),
                           dropout=check_dropout(dropout_p) > 0, needs_grad=bool(needs_grad),
-                          return_lse=bool(return_lse))
+                          return_lse=bool(return_lse), softcap=check_softcap(softcap) > 0)
     return decide(problem, *forced_backend(backend))

@@ -20,11 +20,11 @@ def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def oracle(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None, dout: torch.Tensor | None = None,
-           dlse: torch.Tensor | None = None):
+           dlse: torch.Tensor | None = None, softcap: float = 0.0):
     """fp64 math on the given (already rounded) inputs: (out, lse) and, with ``dout``, (dq, dk, dv) (with
-    ``dlse`` too, the gradients of both outputs)."""
+    ``dlse`` too, the gradients of both outputs); ``softcap`` caps the scores."""
     q64, k64, v64 = (t.detach().double().requires_grad_(dout is not None) for t in (q, k, v))
-    out, lse = math_attention(q64, k64, v64, causal=causal, mask=mask, scale=scale)
+    out, lse = math_attention(q64, k64, v64, causal=causal, mask=mask, scale=scale, softcap=softcap)
     grads = None if dout is None else _grads(out, lse, (q64, k64, v64), dout.double(), dlse)
     return out.detach(), lse.detach(), grads
 
@@ -36,11 +36,11 @@ def _grads(out, lse, inputs, dout, dlse):
 
 
 def peer_error(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None, dout: torch.Tensor | None = None,
-               dlse: torch.Tensor | None = None):
+               dlse: torch.Tensor | None = None, softcap: float = 0.0):
     """PyTorch's own materialised attention in the inputs' dtype: (out, grads) to measure that
     dtype's inherent error against the oracle (``dlse``: the LSE's gradient as well)."""
     qs, ks, vs = (t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v))
-    out, lse = math_attention(qs, ks, vs, causal=causal, mask=mask, scale=scale)
+    out, lse = math_attention(qs, ks, vs, causal=causal, mask=mask, scale=scale, softcap=softcap)
     grads = None if dout is None else _grads(out, lse, (qs, ks, vs), dout, dlse)
     return out.detach(), grads
 

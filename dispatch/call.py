@@ -13,7 +13,8 @@ from .mask import Mask
 class Call(NamedTuple):
     """q, k, v (batch, heads, seqlen, head_dim) with any strides; ``scale`` the softmax scale (a float);
     ``mask`` the Problem's Mask; ``descale`` (3, batch, heads_kv) fp32 for FP8 inputs; ``attn_mask`` an
-    explicit mask tensor (``attnforge.sdpa``, ``mask.tensor``). A NamedTuple: made on every call, cheaply."""
+    explicit mask tensor (``attnforge.sdpa``, ``mask.tensor``); ``softcap`` the score cap (0: none; scores become
+    softcap * tanh(scores / softcap) after scaling). A NamedTuple: made on every call, cheaply."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -23,6 +24,7 @@ class Call(NamedTuple):
     dropout_p: float = 0.0
     descale: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
+    softcap: float = 0.0
 
     @property
     def causal(self) -> bool:

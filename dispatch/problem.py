@@ -60,6 +60,7 @@ class Problem:
     dropout: bool = False
     needs_grad: bool = False
     return_lse: bool = False
+    softcap: bool = False  # scores capped as softcap * tanh(scores / softcap) (the value is the Call's)
 
     def __post_init__(self):
         for field in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v"):
@@ -92,8 +93,8 @@ class Problem:
     def describe(self) -> str:
         heads = f"{self.heads_q}" if not self.gqa else f"{self.heads_q}/{self.heads_kv}kv"
         dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
-        flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), ("dropout", self.dropout),
-                                 ("grad", self.needs_grad), ("lse", self.return_lse)) if on]
+        flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), ("softcap", self.softcap),
+                                 ("dropout", self.dropout), ("grad", self.needs_grad), ("lse", self.return_lse)) if on]
         return (f"{self.dtype} b={self.batch} h={heads} nq={self.seqlen_q} nk={self.seqlen_k} {dims}"
                 + (" " + ",".join(flags) if flags else "") + f" on {self.device.arch} ({self.device.name})")
 
@@ -135,7 +136,8 @@ def validate_tensors(q, k, v, layout: str) -> None:
 
 
 def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: str = "bhsd", mask: Mask = Mask(),
-                         dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None) -> Problem:
+                         dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None,
+                         softcap: bool = False) -> Problem:
     """Validate q, k, v and describe them as a Problem on ``device`` (default: the tensors' device)."""
     validate_tensors(q, k, v, layout)
     if device is None:
@@ -146,7 +148,18 @@ def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: s
     return Problem(batch=q.shape[0], heads_q=q.shape[h], heads_kv=k.shape[h], seqlen_q=q.shape[s],
                    seqlen_k=k.shape[s], head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=_NAME_OF[q.dtype],
                    device=device, mask=mask, dropout=check_dropout(dropout_p) > 0,
-                   needs_grad=bool(needs_grad), return_lse=bool(return_lse))
+                   needs_grad=bool(needs_grad), return_lse=bool(return_lse), softcap=bool(softcap))
+
+
+def check_softcap(softcap) -> float:
+    """The score cap: 0 (none) or a positive finite number (FlashAttention's ``softcap``; Gemma 2's 50.0)."""
+    if type(softcap) is not float:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise InvalidInputError(f"softcap must be a number >= 0 (0: none), got {softcap!r}")
+        softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0.0):
+        raise InvalidInputError(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+    return softcap
 
 
 def check_dropout(dropout_p) -> float:

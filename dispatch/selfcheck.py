@@ -36,6 +36,8 @@ ENV_VAR = "ATTNFORGE_SELFCHECK"
 UNCHECKED = frozenset({"reference"})  # the oracle itself
 # The tiny problem: odd lengths that cross a 128-row/128-key tile edge, two query heads per kv head.
 BATCH, HEADS_Q, HEADS_KV, SEQLEN_Q, SEQLEN_K = 1, 2, 1, 133, 161
+# A softcapped variant runs its tiny problem with this cap: near the unit scores' size, so the tanh bends them.
+SOFTCAP = 2.0
 
 _verdicts: dict[str, tuple[str, ...]] = {}  # this process: key -> reasons (empty: passed)
 costs: list[tuple[str, float]] = []  # (key, seconds) of the checks this process ran
@@ -51,7 +53,8 @@ def enabled() -> bool:
 def key_of(backend, variant, problem: Problem) -> str:
     d = problem.device
     return (f"{backend.name}|{variant.name if variant is not None else ''}|{problem.dtype}|"
-            f"d{problem.head_dim}/{problem.head_dim_v}|{problem.mask.describe() or 'full'}|{d.name}|{d.arch}")
+            f"d{problem.head_dim}/{problem.head_dim_v}|{problem.mask.describe() or 'full'}"
+            f"{'|softcap' if problem.softcap else ''}|{d.name}|{d.arch}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -169,8 +172,9 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
     q, k, v = (rand(HEADS_Q, SEQLEN_Q, problem.head_dim), rand(HEADS_KV, SEQLEN_K, problem.head_dim),
                rand(HEADS_KV, SEQLEN_K, problem.head_dim_v))
     scale = problem.head_dim ** -0.5
-    out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask))
-    ref, _ = math_attention(q.double(), k.double(), v.double(), mask=problem.mask, scale=scale)
+    softcap = SOFTCAP if problem.softcap else 0.0
+    out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask, softcap=softcap))
+    ref, _ = math_attention(q.double(), k.double(), v.double(), mask=problem.mask, scale=scale, softcap=softcap)
     if not torch.isfinite(out).all():
         return ("self-check failed: NaN or inf in the output of a tiny problem",)
     if problem.dtype == "fp8":  # as the FP8 tests: relative Frobenius error, at most 1.2x that of rounding P to
@@ -183,7 +187,7 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
         return ()
     # the test suite's rule (testing.assert_close): twice torch's own error computing the same thing in this
     # dtype, plus sqrt(reduction length) units of rounding
-    peer, _ = math_attention(q, k, v, mask=problem.mask, scale=scale)
+    peer, _ = math_attention(q, k, v, mask=problem.mask, scale=scale, softcap=softcap)
     err, bound, peer_err = error_and_bound(out, ref, peer, ulps=4 * max(SEQLEN_K, problem.head_dim) ** 0.5)
     if err > bound:
         return (f"self-check failed: max error {err:.3g} against fp64 math on a tiny problem "

@@ -21,6 +21,7 @@ class Support:
     top_left: bool = False  # causal aligned top-left with seqlen_q != seqlen_k (SDPA's is_causal)
     window: bool = False  # a sliding window
     mask_tensor: bool = False  # an explicit attn_mask tensor
+    softcap: bool = False  # scores capped as softcap * tanh(scores / softcap)
     gqa: bool = True
     dropout: bool = True
     return_lse: bool = True
@@ -51,6 +52,8 @@ class Support:
             out.append("a sliding window is not supported")
         if m.tensor and not self.mask_tensor:
             out.append("an attn_mask tensor is not supported")
+        if p.softcap and not self.softcap:
+            out.append("softcap is not supported")
         if p.gqa and not self.gqa:
             out.append(f"grouped-query attention ({p.heads_q} q heads / {p.heads_kv} kv heads) is not supported")
         if p.dropout and not self.dropout:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attnforge
-from attnforge import BackendUnavailableError, attention, explain
+from attnforge import BackendUnavailableError, InvalidInputError, attention, explain
 from attnforge.dispatch import registered
 from attnforge.testing import assert_close, oracle, peer_error, rel_error
 
@@ -211,3 +211,40 @@ def test_empty_problems(backend, gen):
 def test_auto_choice_serves_empty_problems():
     out = attnforge.attention(torch.randn(1, 1, 3, 8), torch.randn(1, 1, 0, 8), torch.randn(1, 1, 0, 8))
     assert (out == 0).all() and out.shape == (1, 1, 3, 8)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True, "50"])
+def test_a_bad_softcap_is_named(bad):
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(InvalidInputError, match="softcap must be"):
+        attention(q, q, q, softcap=bad)
+
+
+def test_softcap_is_served_where_declared_and_refused_with_the_reason_elsewhere():
+    d = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, softcap=50.0, needs_grad=True)
+    assert (d.forward.backend, d.backward.backend) == ("triton_fa2", "triton_fa2") and d.forward.variant.softcap
+    for name in ("cute_sm90", "sdpa"):
+        assert "softcap is not supported" in d.forward.reasons_of(name)
+    assert "softcap" in d.problem.describe()
+    cpu = explain(device="cpu", dtype="fp32", head_dim=64, seqlen_q=100, softcap=50.0)
+    assert cpu.forward.backend == "reference"
+    assert explain(device="cpu", dtype="fp32", head_dim=64, seqlen_q=100, softcap=0.0).forward.backend == "sdpa"
+
+
+def test_softcap_matches_fp64_math_and_gradcheck_on_the_reference(gen):
+    q = torch.randn(2, 4, 17, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 23, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out, lse = attention(q, k, v, causal=True, softcap=0.7, backend="reference", return_lse=True)
+    ref, ref_lse, _ = oracle(q, k, v, causal=True, softcap=0.7)
+    assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
+    plain = attention(q, k, v, causal=True, backend="reference")
+    assert (plain - ref).abs().max() > 1e-3  # the cap changes the answer
+    torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, causal=True, softcap=0.7, window_size=(5, 0),
+                                                       backend="reference", return_lse=True), (q, k, v))
+
+
+def test_softcap_inside_torch_compile_is_refused_with_the_reason():
+    q = torch.randn(1, 2, 5, 8)
+    fn = torch.compile(lambda q: attention(q, q, q, softcap=5.0), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="softcap inside torch.compile is not supported yet"):
+        fn(q)

@@ -182,3 +182,10 @@ def test_build_jobs_must_be_positive(capsys):
         main(["build", "--target", "sm90", "--jobs", "0", "--list"])
     assert "--jobs: must be at least 1, got 0" in capsys.readouterr().err
 
+
+
+def test_explain_takes_a_softcap(capsys):
+    assert main(["explain", "--device", "H100", "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "4096",
+                 "--softcap", "50", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["forward"]["backend"] == "triton_fa2" and "softcap" in d["forward"]["variant"]

@@ -80,18 +80,31 @@ def _put_back(out: torch.Tensor, nan: torch.Tensor, pos: torch.Tensor, neg: torc
     return torch.where((nan | pos | neg) & ~out.isnan(), special.to(out.dtype), out)
 
 
-def _key_tile(qg, k, v, start, block_n, scale, mask, acc_t):
-    """Key/value tile [start, start + block_n) broadcast over the query group, and its (masked) scores."""
+def capped(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Scaled scores under a softcap: softcap * tanh(s / softcap) (unchanged for softcap 0)."""
+    return softcap * torch.tanh(s / softcap) if softcap else s
+
+
+def cap_gradient(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """d capped / d s at the (masked) capped scores ``s``: 1 - tanh^2 = 1 - (s / softcap)^2; 0 where a key is
+    hidden (s = -inf, whose P is 0), so no 0 * inf appears; NaN stays NaN."""
+    return torch.where(s == float("-inf"), 0.0, 1.0 - (s / softcap) ** 2)
+
+
+def _key_tile(qg, k, v, start, block_n, scale, mask, acc_t, softcap: float = 0.0):
+    """Key/value tile [start, start + block_n) broadcast over the query group, and its (capped, masked) scores."""
     kb = k[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
     vb = v[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
-    s = (qg @ kb.transpose(-1, -2)) * scale
+    s = capped((qg @ kb.transpose(-1, -2)) * scale, softcap)
     if mask.by_rule:
         s = _mask_tile(s, start, qg.shape[-2], k.shape[2], mask)
     return kb, vb, s
 
 
-def forward(q, k, v, *, causal: bool = False, scale: float, block_n: int = BLOCK_N, mask: Mask | None = None):
-    """Returns (out in q's dtype, LSE in fp32 (fp64 for fp64 inputs)). Shapes (B, H, N, D)."""
+def forward(q, k, v, *, causal: bool = False, scale: float, block_n: int = BLOCK_N, mask: Mask | None = None,
+            softcap: float = 0.0):
+    """Returns (out in q's dtype, LSE in fp32 (fp64 for fp64 inputs)). Shapes (B, H, N, D). ``softcap`` > 0
+    caps the scaled scores (capped())."""
     mask = as_mask(causal, mask)
     acc_t = accumulation_dtype(q.dtype)
     batch, heads_q, seqlen_q, _ = q.shape
@@ -105,7 +118,7 @@ def forward(q, k, v, *, causal: bool = False, scale: float, block_n: int = BLOCK
     nonfinite = _has_nonfinite_values(v, mask)
     flags = None
     for start in range(0, seqlen_k, block_n):
-        _, vb, s = _key_tile(qg, k, v, start, block_n, scale, mask, acc_t)
+        _, vb, s = _key_tile(qg, k, v, start, block_n, scale, mask, acc_t, softcap)
         if nonfinite:
             visible = _visible(start, block_n, seqlen_q, seqlen_k, mask, q.device)
             tile_flags = _nonfinite_values(visible, vb)
@@ -128,9 +141,10 @@ def forward(q, k, v, *, causal: bool = False, scale: float, block_n: int = BLOCK
 
 
 def backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float, block_n: int = BLOCK_N,
-             mask: Mask | None = None, dlse=None):
+             mask: Mask | None = None, dlse=None, softcap: float = 0.0):
     """(dq, dk, dv) in the inputs' dtypes, recomputing P = exp(S - LSE) tile by tile. ``dlse``, the LSE's
-    gradient (or None): dLSE/dS = P, so dS = P * (dP - (delta - dlse))."""
+    gradient (or None): dLSE/dS = P, so dS = P * (dP - (delta - dlse)). With ``softcap``, S is the capped score
+    and dS is carried back through the cap (cap_gradient)."""
     mask = as_mask(causal, mask)
     acc_t = accumulation_dtype(q.dtype)
     batch, heads_q, seqlen_q, _ = q.shape
@@ -148,22 +162,25 @@ def backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float, blo
     lse_g = _grouped(lse, heads_kv, acc_t).masked_fill(lse.unflatten(1, (heads_kv, -1)) == float("-inf"), float("inf"))
     dq = torch.zeros_like(qg)
     for start in range(0, seqlen_k, block_n):
-        kb, vb, s = _key_tile(qg, k, v, start, block_n, scale, mask, acc_t)
+        kb, vb, s = _key_tile(qg, k, v, start, block_n, scale, mask, acc_t, softcap)
         p = torch.exp(s - lse_g[..., None])
         dv[:, :, start:start + block_n] = (p.transpose(-1, -2) @ dog).sum(2)  # sum over the query-head group
         dp = dog @ vb.transpose(-1, -2)
         ds = p * (dp - delta[..., None])
+        if softcap:
+            ds = ds * cap_gradient(s, softcap)
         dq += (ds @ kb) * scale
         dk[:, :, start:start + block_n] = (ds.transpose(-1, -2) @ qg).sum(2) * scale
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask: Mask | None = None):
+def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask: Mask | None = None,
+                   softcap: float = 0.0):
     """Plain materialised attention (scores, softmax, matmul) in the inputs' dtype: the textbook
     definition with FlashAttention's masking conventions (``causal`` aligns bottom-right; ``mask``, a
     dispatch.mask.Mask, says more). Meant for fp64 checks at small sizes."""
     mask = as_mask(causal, mask)
-    p, lse = math_probabilities(q, k, causal=causal, scale=scale, mask=mask)
+    p, lse = math_probabilities(q, k, causal=causal, scale=scale, mask=mask, softcap=softcap)
     v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     if not _has_nonfinite_values(v, mask):
         return p @ v, lse
@@ -171,13 +188,15 @@ def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
     return _put_back(p @ torch.where(v.isfinite(), v, 0.0), *_nonfinite_values(visible, v)), lse
 
 
-def math_probabilities(q, k, *, causal: bool = False, scale: float | None = None, mask: Mask | None = None):
-    """The softmax probabilities P (batch, heads_q, seqlen_q, seqlen_k) of math_attention and its LSE."""
+def math_probabilities(q, k, *, causal: bool = False, scale: float | None = None, mask: Mask | None = None,
+                       softcap: float = 0.0):
+    """The softmax probabilities P (batch, heads_q, seqlen_q, seqlen_k) of math_attention and its LSE
+    (``softcap``: of the capped scores; torch autograd differentiates through the tanh)."""
     mask = as_mask(causal, mask)
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = (q @ k.transpose(-1, -2)) * scale
+    s = capped((q @ k.transpose(-1, -2)) * scale, softcap)
     if mask.by_rule:
         s = _mask_tile(s, 0, seqlen_q, seqlen_k, mask)
     dead = (s == float("-inf")).all(-1, keepdim=True)  # rows that see no key: output 0, LSE -inf

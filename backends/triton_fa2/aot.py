@@ -39,11 +39,11 @@ def builds(variant, path) -> list[KernelBuild]:
         fn = kernel_function(str(path), kernel)
         sig, aligned = signature(fn, variant.dtype)
         names = dict(sig)
-        local = getattr(variant, "local", False)
+        local, softcap = getattr(variant, "local", False), getattr(variant, "softcap", False)
         # as launch() passes them: a LOCAL kernel takes its window as arguments, with CAUSAL off (folded into it)
         causal = variant.causal and not local if "CAUSAL" in names else False  # preprocess has no causal variant
         constexprs = ((("HEAD_DIM", pad), ("D", variant.head_dim)) + ((("CAUSAL", causal),) if "CAUSAL" in names else ())
-                      + ((("LOCAL", local),) if "LOCAL" in names else ()))
+                      + ((("LOCAL", local),) if "LOCAL" in names else ()) + ((("SOFTCAP", softcap),) if "SOFTCAP" in names else ()))
         out.append(KernelBuild(str(path), tile.module, kernel, variant.arch, variant.dtype, variant.head_dim, causal,
                                tile.num_warps, tile.num_stages, sig, constexprs, aligned, options))
     return out

@@ -22,4 +22,5 @@ class TritonRocmBackend(TritonFA2Backend):
         dropout=False,
         empty=False,
         window=True,  # the shared template's LOCAL kernels
+        softcap=True,  # and its SOFTCAP kernels
     )

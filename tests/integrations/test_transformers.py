@@ -118,3 +118,34 @@ def test_a_sliding_window_model_matches_sdpa(gen):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(unwindowed, expected, atol=1e-3)  # the window really changes the answer
     assert attnforge.last_decision().problem.mask == Mask(tensor=True)
+
+
+def test_a_softcapped_gemma2_matches_eager(gen):
+    """Gemma 2's attn_logit_softcapping reaches attention() as softcap (the mask-free causal path; a sequence
+    shorter than the sliding window gives no mask): logits equal to transformers' eager attention, which applies
+    the cap itself. A padded batch (a mask tensor) with softcap is refused with the reason. (The random tiny
+    model's scores are about 0.01, so a cap of 0.02 bends them; Gemma 2 itself caps at 50.)"""
+    cfg = transformers.Gemma2Config(pad_token_id=0, head_dim=16, sliding_window=64, attn_logit_softcapping=0.02,
+                                    final_logit_softcapping=None, **TINY)
+    integration.register()
+    torch.manual_seed(0)
+    ref = transformers.Gemma2ForCausalLM(copy.deepcopy(cfg)).eval()
+    ref.set_attn_implementation("eager")
+    ours = transformers.Gemma2ForCausalLM(copy.deepcopy(cfg)).eval()
+    ours.load_state_dict(ref.state_dict())
+    ours.set_attn_implementation("attnforge")
+    ids = torch.randint(1, 128, (2, 37), generator=gen)
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert attnforge.last_decision().problem.softcap
+    uncapped = copy.deepcopy(cfg)
+    uncapped.attn_logit_softcapping = None
+    plain = transformers.Gemma2ForCausalLM(uncapped).eval()
+    plain.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        assert (plain(ids).logits - want).abs().max() > 100 * (got - want).abs().max()  # the cap mattered
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with pytest.raises(ValueError, match="softcap only without an attention mask tensor"), torch.no_grad():
+        ours(ids, attention_mask=mask)
