@@ -12,8 +12,8 @@ from .dispatch import registry
 from .dispatch.call import Call
 from .dispatch.decision import Decision
 from .dispatch.mask import CAUSAL, NONE, Mask
-from .dispatch.problem import (Problem, check_attn_mask, check_causal, check_dropout, check_scale, check_softcap,
-                               dtype_name,
+from .dispatch.problem import (Problem, check_attn_mask, check_causal, check_dropout, check_scale, check_sinks,
+                               check_softcap, dtype_name,
                                 problem_from_tensors, validate_tensors)
 from .dispatch.select import decide, decide_call, forced_backend
 from .errors import BackendUnavailableError, InvalidInputError
@@ -50,17 +50,17 @@ class _Attention(torch.autograd.Function):
     Variant runs, and the decided backward Variant runs from what it saved."""
 
     @staticmethod
-    def forward(ctx, q, k, v, descale, decision, call):
-        call = call._replace(q=q, k=k, v=v, descale=descale)
+    def forward(ctx, q, k, v, descale, sinks, decision, call):
+        call = call._replace(q=q, k=k, v=v, descale=descale, sinks=sinks)
         out, lse = registry.get(decision.forward.backend).forward(decision.forward.variant, call)
-        ctx.save_for_backward(q, k, v, out, lse, descale)
-        ctx.decision, ctx.call = decision, call._replace(q=None, k=None, v=None, descale=None)
+        ctx.save_for_backward(q, k, v, out, lse, descale, sinks)
+        ctx.decision, ctx.call = decision, call._replace(q=None, k=None, v=None, descale=None, sinks=None)
         ctx.set_materialize_grads(False)  # an unused LSE (the usual call) gives dlse None, not a tensor of zeros
         return out, lse  # the LSE is differentiable: context-parallel merges and cascades differentiate through it
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, descale = ctx.saved_tensors
+        q, k, v, out, lse, descale, sinks = ctx.saved_tensors
         choice = ctx.decision.backward
         if choice is None:
             raise BackendUnavailableError("attention was called with no input requiring grad, so no "
@@ -68,17 +68,33 @@ class _Attention(torch.autograd.Function):
         if dout is None:  # only the LSE was used
             dout = torch.zeros_like(out)
         with torch.no_grad():
-            grads = _Attention._gradients(ctx, choice, q, k, v, out, lse, descale, dout, dlse)
+            grads = _Attention._gradients(ctx, choice, q, k, v, out, lse, descale, dout, dlse, sinks)
         if torch.is_grad_enabled():  # create_graph=True: a second differentiation must raise, not be wrong
             seeds = (dout,) if dlse is None else (dout, dlse)
-            grads = _NoDoubleBackward.apply(choice.backend, len(grads), *grads, q, k, v, *seeds)
-        return (*grads, None, None, None)
+            wrapped = _NoDoubleBackward.apply(choice.backend, len(grads), *grads, q, k, v, *seeds)
+            grads = tuple(wrapped)
+        return (*grads[:3], None, grads[3] if sinks is not None else None, None, None)
 
     @staticmethod
-    def _gradients(ctx, choice, q, k, v, out, lse, descale, dout, dlse):
+    def _sink_gradient(sinks, out, lse, dout, dlse):
+        """d loss / d sinks, whatever backend ran: a sink's share of row i is P_i = exp(sink - LSE_i) (the LSE
+        counts the sink), and O_i = sum_j P_ij v_j moves by -P_i O_i per unit of sink while LSE_i moves by P_i,
+        so the gradient is sum over batch and rows of P_i (dlse_i - rowsum(dO_i * O_i))."""
+        acc = torch.promote_types(out.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(acc)
+        share = torch.exp(sinks.to(acc)[None, :, None] - lse.to(acc))
+        return -(share * delta).sum((0, 2)).to(sinks.dtype)
+
+    @staticmethod
+    def _gradients(ctx, choice, q, k, v, out, lse, descale, dout, dlse, sinks=None):
         bwd = registry.get(choice.backend)
         if descale is None:
-            return bwd.backward(choice.variant, ctx.call._replace(q=q, k=k, v=v), out, lse, dout, dlse)
+            grads = bwd.backward(choice.variant, ctx.call._replace(q=q, k=k, v=v, sinks=sinks), out, lse, dout, dlse)
+            if sinks is None:
+                return grads
+            return (*grads, _Attention._sink_gradient(sinks, out, lse, dout, dlse))
         # FP8: the backward runs in bf16 on the dequantised inputs x * descale (see select.FP8_BACKWARD_DTYPE);
         # by the chain rule the gradient with respect to the fp8 tensor is descale * d(dequantised).
         per_head = [d.repeat_interleave(t.shape[1] // d.shape[1], 1)[:, :, None, None] for d, t in zip(descale, (q, k, v))]
@@ -92,7 +108,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               scale: float | None = None, dropout_p: float = 0.0, layout: str = "bhsd",
               return_lse: bool = False, backend: str | None = None, q_descale: torch.Tensor | None = None,
               k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
-              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: torch.Tensor | None = None):
     """Exact attention softmax(q k^T * scale) v on the best backend for the device, dtype and shapes.
 
     q: (batch, heads_q, seqlen_q, head_dim), k: (batch, heads_kv, seqlen_k, head_dim),
@@ -108,7 +124,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, -1 meaning unbounded; with
     ``causal``, right is 0. ``softcap`` > 0 caps the scaled scores as softcap * tanh(scores / softcap)
     (FlashAttention's ``softcap``, Gemma 2's ``attn_logit_softcapping``); 0 leaves them as they are.
+    ``sinks``: a (heads_q,) float tensor of logits, one per query head, that count in every row's softmax
+    denominator and carry no value (gpt-oss's attention sinks): a row attends "nowhere" by that share, and the
+    LSE includes it. Differentiable.
     """
+    if sinks is not None:
+        if torch.compiler.is_compiling():
+            raise InvalidInputError("sinks inside torch.compile are not supported yet; call attention() eagerly")
+        if getattr(q, "dtype", None) == torch.float8_e4m3fn:
+            raise InvalidInputError("sinks with fp8 inputs are not supported")
+        return _run(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend,
+                    softcap=check_softcap(softcap), sinks=sinks)
     if softcap.__class__ is not float or softcap:  # (hot path: the default 0.0 is one type test)
         softcap = check_softcap(softcap)
         if softcap and torch.compiler.is_compiling():
@@ -222,21 +248,26 @@ def autocast_inputs(q, k, v):
 
 
 def _run(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, descale=None, attn_mask=None,
-         softcap: float = 0.0):
+         softcap: float = 0.0, sinks=None):
     """Decide (a dict lookup for a repeated call signature), then run the decided Variants on one Call."""
     if descale is None:
         q, k, v = autocast_inputs(q, k, v)
-    decision = decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend, softcap=softcap > 0)
+    needs_grad = None
+    if sinks is not None:
+        check_sinks(sinks, q, layout)
+        needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks))
+    decision = decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend, needs_grad, softcap=softcap > 0,
+                           sinks=sinks is not None)
     scale = check_scale(scale, q.shape[-1])
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    call = Call(q, k, v, scale, mask, dropout_p, descale, attn_mask, softcap)
+    call = Call(q, k, v, scale, mask, dropout_p, descale, attn_mask, softcap, sinks)
     fwd = registry.get(decision.forward.backend)
     # the decision is per call signature, grad mode and requires_grad included: its problem says it
     if fwd.autograd_native or not decision.problem.needs_grad:  # no graph to record: skip autograd.Function (~10 us)
         out, lse = fwd.forward(decision.forward.variant, call)
     else:
-        out, lse = _Attention.apply(q, k, v, descale, decision, call)
+        out, lse = _Attention.apply(q, k, v, descale, sinks, decision, call)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
@@ -330,7 +361,8 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
             seqlen_k: int | None = None, batch: int = 1, heads: int = 1, kv_heads: int | None = None,
             causal: bool = False, dropout_p: float = 0.0, needs_grad: bool = False,
             head_dim_v: int | None = None, return_lse: bool = False, layout: str = "bhsd",
-            backend: str | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Decision:
+            backend: str | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+            sinks: bool = False) -> Decision:
     """The Decision attention() would take, without running anything.
 
     Give tensors (their shapes and dtype are used) or plain shapes (dtype, head_dim and seqlen_q
@@ -345,7 +377,7 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
                                        dropout_p=dropout_p,
                                        return_lse=return_lse,
                                        needs_grad=needs_grad or q.requires_grad or k.requires_grad or v.requires_grad,
-                                       softcap=check_softcap(softcap) > 0)
+                                       softcap=check_softcap(softcap) > 0, sinks=bool(sinks))
     else:
         missing = [n for n, x in (("dtype", dtype), ("head_dim", head_dim), ("seqlen_q", seqlen_q)) if x is None]
         if missing:
@@ -356,5 +388,6 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
                           dtype=dtype_name(dtype), device=spec or devices.detect(),
                           mask=_causal_mask(causal, window_size),
                           dropout=check_dropout(dropout_p) > 0, needs_grad=bool(needs_grad),
-                          return_lse=bool(return_lse), softcap=check_softcap(softcap) > 0)
+                          return_lse=bool(return_lse), softcap=check_softcap(softcap) > 0,
+                          sinks=bool(sinks))
     return decide(problem, *forced_backend(backend))

@@ -14,7 +14,8 @@ class Call(NamedTuple):
     """q, k, v (batch, heads, seqlen, head_dim) with any strides; ``scale`` the softmax scale (a float);
     ``mask`` the Problem's Mask; ``descale`` (3, batch, heads_kv) fp32 for FP8 inputs; ``attn_mask`` an
     explicit mask tensor (``attnforge.sdpa``, ``mask.tensor``); ``softcap`` the score cap (0: none; scores become
-    softcap * tanh(scores / softcap) after scaling). A NamedTuple: made on every call, cheaply."""
+    softcap * tanh(scores / softcap) after scaling); ``sinks`` (heads_q,) fp32 logits that count in each row's
+    softmax denominator and carry no value, or None. A NamedTuple: made on every call, cheaply."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -25,6 +26,7 @@ class Call(NamedTuple):
     descale: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
     softcap: float = 0.0
+    sinks: torch.Tensor | None = None
 
     @property
     def causal(self) -> bool:

@@ -61,6 +61,7 @@ class Problem:
     needs_grad: bool = False
     return_lse: bool = False
     softcap: bool = False  # scores capped as softcap * tanh(scores / softcap) (the value is the Call's)
+    sinks: bool = False  # one learnable logit per query head in each row's softmax (the tensor is the Call's)
 
     def __post_init__(self):
         for field in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v"):
@@ -93,7 +94,7 @@ class Problem:
     def describe(self) -> str:
         heads = f"{self.heads_q}" if not self.gqa else f"{self.heads_q}/{self.heads_kv}kv"
         dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
-        flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), ("softcap", self.softcap),
+        flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), ("softcap", self.softcap), ("sinks", self.sinks),
                                  ("dropout", self.dropout), ("grad", self.needs_grad), ("lse", self.return_lse)) if on]
         return (f"{self.dtype} b={self.batch} h={heads} nq={self.seqlen_q} nk={self.seqlen_k} {dims}"
                 + (" " + ",".join(flags) if flags else "") + f" on {self.device.arch} ({self.device.name})")
@@ -137,7 +138,7 @@ def validate_tensors(q, k, v, layout: str) -> None:
 
 def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: str = "bhsd", mask: Mask = Mask(),
                          dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None,
-                         softcap: bool = False) -> Problem:
+                         softcap: bool = False, sinks: bool = False) -> Problem:
     """Validate q, k, v and describe them as a Problem on ``device`` (default: the tensors' device)."""
     validate_tensors(q, k, v, layout)
     if device is None:
@@ -148,7 +149,8 @@ def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: s
     return Problem(batch=q.shape[0], heads_q=q.shape[h], heads_kv=k.shape[h], seqlen_q=q.shape[s],
                    seqlen_k=k.shape[s], head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=_NAME_OF[q.dtype],
                    device=device, mask=mask, dropout=check_dropout(dropout_p) > 0,
-                   needs_grad=bool(needs_grad), return_lse=bool(return_lse), softcap=bool(softcap))
+                   needs_grad=bool(needs_grad), return_lse=bool(return_lse), softcap=bool(softcap),
+                   sinks=bool(sinks))
 
 
 def check_softcap(softcap) -> float:
@@ -160,6 +162,19 @@ def check_softcap(softcap) -> float:
     if not (math.isfinite(softcap) and softcap >= 0.0):
         raise InvalidInputError(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
     return softcap
+
+
+def check_sinks(sinks, q, layout: str) -> None:
+    """``sinks``: a floating tensor of shape (heads_q,) on q's device (one logit per query head)."""
+    shaped = isinstance(q, torch.Tensor) and q.dim() == 4  # (else the validation of q names the problem)
+    heads = q.shape[1 if layout == "bhsd" else 2] if shaped else None
+    if (not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.dim() != 1
+            or (heads is not None and sinks.shape[0] != heads)):
+        raise InvalidInputError(f"sinks must be a float tensor of shape (heads_q,) = ({heads},), got "
+                                f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}"
+                                f"{'' if not isinstance(sinks, torch.Tensor) else ' ' + str(sinks.dtype)}")
+    if shaped and sinks.device != q.device:
+        raise InvalidInputError(f"q is on {q.device} but sinks is on {sinks.device}; put them on one device")
 
 
 def check_dropout(dropout_p) -> float:

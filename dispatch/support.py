@@ -22,6 +22,7 @@ class Support:
     window: bool = False  # a sliding window
     mask_tensor: bool = False  # an explicit attn_mask tensor
     softcap: bool = False  # scores capped as softcap * tanh(scores / softcap)
+    sinks: bool = False  # a learnable logit per query head in the softmax denominator (gpt-oss)
     gqa: bool = True
     dropout: bool = True
     return_lse: bool = True
@@ -54,6 +55,8 @@ class Support:
             out.append("an attn_mask tensor is not supported")
         if p.softcap and not self.softcap:
             out.append("softcap is not supported")
+        if p.sinks and not self.sinks:
+            out.append("attention sinks are not supported")
         if p.gqa and not self.gqa:
             out.append(f"grouped-query attention ({p.heads_q} q heads / {p.heads_kv} kv heads) is not supported")
         if p.dropout and not self.dropout:

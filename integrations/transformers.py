@@ -19,19 +19,20 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out.
-    ``softcap`` (Gemma 2's attn_logit_softcapping) goes to attention(); with a mask tensor it is refused (the
-    mask path is SDPA's, which has no softcap)."""
+    ``softcap`` (Gemma 2's attn_logit_softcapping) and ``s_aux`` (gpt-oss's sinks) go to attention(); with a mask
+    tensor they are refused (the mask path is SDPA's, which has neither)."""
     softcap = kwargs.get("softcap") or 0.0
-    if softcap and attention_mask is not None:
-        raise ValueError("attnforge serves softcap only without an attention mask tensor (no padding, no sliding "
-                         "window mask); use attn_implementation='eager'")
+    sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks, one logit per query head
+    if (softcap or sinks is not None) and attention_mask is not None:
+        raise ValueError("attnforge serves softcap and sinks only without an attention mask tensor (no padding, no "
+                         "sliding window mask); use attn_implementation='eager'")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     dropout = dropout if module.training else 0.0
     if attention_mask is None:
         # One query (decoding) sees every cached key; a prefill is square, where bottom-right and
         # top-left causal agree.
         out = api.attention(query, key, value, causal=bool(is_causal and query.shape[2] > 1), scale=scaling,
-                            dropout_p=dropout, softcap=softcap)
+                            dropout_p=dropout, softcap=softcap, sinks=sinks)
     else:
         mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask.dim() == 4 else attention_mask
         out = api.sdpa(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,

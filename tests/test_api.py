@@ -239,8 +239,9 @@ def test_softcap_matches_fp64_math_and_gradcheck_on_the_reference(gen):
     assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
     plain = attention(q, k, v, causal=True, backend="reference")
     assert (plain - ref).abs().max() > 1e-3  # the cap changes the answer
+    small = [t.detach()[:1, :, :7, :4].clone().requires_grad_() for t in (q, k, v)]
     torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, causal=True, softcap=0.7, window_size=(5, 0),
-                                                       backend="reference", return_lse=True), (q, k, v))
+                                                       backend="reference", return_lse=True), small)
 
 
 def test_softcap_inside_torch_compile_is_refused_with_the_reason():
@@ -248,3 +249,51 @@ def test_softcap_inside_torch_compile_is_refused_with_the_reason():
     fn = torch.compile(lambda q: attention(q, q, q, softcap=5.0), fullgraph=True, backend="eager")
     with pytest.raises(Exception, match="softcap inside torch.compile is not supported yet"):
         fn(q)
+
+
+@pytest.mark.parametrize("bad, match", [(torch.zeros(3), r"shape \(heads_q,\) = \(2,\)"),
+                                        (torch.zeros(2, dtype=torch.int32), "float tensor"),
+                                        ([0.0, 1.0], "float tensor"), (torch.zeros(1, 2), "float tensor")])
+def test_bad_sinks_are_named(bad, match):
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(InvalidInputError, match=match):
+        attention(q, q, q, sinks=bad)
+
+
+def test_sinks_are_served_where_declared_and_refused_with_the_reason_elsewhere():
+    d = explain(device="H100", dtype="bf16", head_dim=64, seqlen_q=4096, causal=True, sinks=True, needs_grad=True)
+    assert (d.forward.backend, d.backward.backend) == ("triton_fa2", "triton_fa2") and d.forward.variant.sinks
+    for name in ("cute_sm90", "sdpa"):
+        assert "attention sinks are not supported" in d.forward.reasons_of(name)
+    assert explain(device="cpu", dtype="fp32", head_dim=64, seqlen_q=100, sinks=True).forward.backend == "reference"
+
+
+def test_sinks_match_fp64_math_with_their_gradient_and_gradcheck(gen):
+    """The LSE counts the sink; a row that sees no key gives 0 with LSE = its sink; dsinks is the gradient of
+    both outputs (the LSE's too)."""
+    q = torch.randn(2, 4, 29, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 23, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    out, lse = attention(q, k, v, causal=True, sinks=sinks, backend="reference", return_lse=True)
+    ref, ref_lse, _ = oracle(q, k, v, causal=True, sinks=sinks)
+    assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
+    assert (out[:, :, :6] == 0).all() and torch.equal(lse[:, :, :6], sinks.detach()[None, :, None].expand(2, 4, 6))
+    dout, dlse = torch.randn(out.shape, generator=gen, dtype=torch.float64), torch.randn(lse.shape, generator=gen,
+                                                                                        dtype=torch.float64)
+    grads = torch.autograd.grad((out, lse), (q, k, v, sinks), (dout, dlse))
+    _, _, ref_grads = oracle(q, k, v, causal=True, sinks=sinks, dout=dout, dlse=dlse)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, atol=1e-10)
+    small = [t.detach()[:1, :, :7, :4].clone().requires_grad_() for t in (q, k, v)]
+    torch.autograd.gradcheck(lambda q, k, v, s: attention(q, k, v, window_size=(3, 2), sinks=s, backend="reference",
+                                                          return_lse=True), (*small, sinks))
+    with pytest.raises(Exception, match="sinks inside torch.compile are not supported yet"):
+        torch.compile(lambda q: attention(q, k, v, sinks=sinks), fullgraph=True, backend="eager")(q)
+
+
+def test_explain_takes_sinks_on_the_command_line(capsys):
+    from attnforge.cli import main
+
+    assert main(["explain", "--device", "H100", "--dtype", "bf16", "--head-dim", "64", "--seqlen-q", "4096",
+                 "--sinks", "--json"]) == 0
+    assert "sinks" in capsys.readouterr().out

@@ -102,9 +102,10 @@ def _key_tile(qg, k, v, start, block_n, scale, mask, acc_t, softcap: float = 0.0
 
 
 def forward(q, k, v, *, causal: bool = False, scale: float, block_n: int = BLOCK_N, mask: Mask | None = None,
-            softcap: float = 0.0):
+            softcap: float = 0.0, sinks: torch.Tensor | None = None):
     """Returns (out in q's dtype, LSE in fp32 (fp64 for fp64 inputs)). Shapes (B, H, N, D). ``softcap`` > 0
-    caps the scaled scores (capped())."""
+    caps the scaled scores (capped()). ``sinks`` (heads_q,): each row's softmax starts from its head's sink, a
+    logit with no value (running max = the sink, sum = 1), so a row that sees no key gives 0 with LSE = sink."""
     mask = as_mask(causal, mask)
     acc_t = accumulation_dtype(q.dtype)
     batch, heads_q, seqlen_q, _ = q.shape
@@ -114,6 +115,9 @@ def forward(q, k, v, *, causal: bool = False, scale: float, block_n: int = BLOCK
     qg = _grouped(q, heads_kv, acc_t)
     m = torch.full(qg.shape[:-1], float("-inf"), dtype=acc_t, device=q.device)
     l = torch.zeros_like(m)
+    if sinks is not None:
+        m = sinks.to(acc_t).reshape(1, heads_kv, -1, 1).expand(m.shape).clone()
+        l = torch.ones_like(m)
     acc = torch.zeros(*qg.shape[:-1], v.shape[-1], dtype=acc_t, device=q.device)
     nonfinite = _has_nonfinite_values(v, mask)
     flags = None
@@ -175,12 +179,12 @@ def backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float, blo
 
 
 def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask: Mask | None = None,
-                   softcap: float = 0.0):
+                   softcap: float = 0.0, sinks: torch.Tensor | None = None):
     """Plain materialised attention (scores, softmax, matmul) in the inputs' dtype: the textbook
     definition with FlashAttention's masking conventions (``causal`` aligns bottom-right; ``mask``, a
     dispatch.mask.Mask, says more). Meant for fp64 checks at small sizes."""
     mask = as_mask(causal, mask)
-    p, lse = math_probabilities(q, k, causal=causal, scale=scale, mask=mask, softcap=softcap)
+    p, lse = math_probabilities(q, k, causal=causal, scale=scale, mask=mask, softcap=softcap, sinks=sinks)
     v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     if not _has_nonfinite_values(v, mask):
         return p @ v, lse
@@ -189,9 +193,10 @@ def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
 
 
 def math_probabilities(q, k, *, causal: bool = False, scale: float | None = None, mask: Mask | None = None,
-                       softcap: float = 0.0):
+                       softcap: float = 0.0, sinks: torch.Tensor | None = None):
     """The softmax probabilities P (batch, heads_q, seqlen_q, seqlen_k) of math_attention and its LSE
-    (``softcap``: of the capped scores; torch autograd differentiates through the tanh)."""
+    (``softcap``: of the capped scores; torch autograd differentiates through the tanh). ``sinks``
+    (heads_q,): one more score per row, its head's sink, in the softmax and the LSE but not in P."""
     mask = as_mask(causal, mask)
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -199,6 +204,10 @@ def math_probabilities(q, k, *, causal: bool = False, scale: float | None = None
     s = capped((q @ k.transpose(-1, -2)) * scale, softcap)
     if mask.by_rule:
         s = _mask_tile(s, 0, seqlen_q, seqlen_k, mask)
+    if sinks is not None:  # the sink as one more key with no value: softmax over [s, sink], then drop it
+        sink = sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:-1], 1)
+        full = torch.cat((s, sink), -1)
+        return torch.softmax(full, -1)[..., :-1], torch.logsumexp(full, -1)
     dead = (s == float("-inf")).all(-1, keepdim=True)  # rows that see no key: output 0, LSE -inf
     s = s.masked_fill(dead, 0.0)  # keeps softmax and its gradient free of NaN on those rows
     p = torch.softmax(s, -1).masked_fill(dead, 0.0)

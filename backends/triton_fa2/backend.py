@@ -55,12 +55,13 @@ class TritonVariant(Variant):
     interpreted: bool = False
     local: bool = False  # a sliding window (the kernels' LOCAL; the window itself is the call's)
     softcap: bool = False  # capped scores (the kernels' SOFTCAP; the cap itself is the call's)
+    sinks: bool = False  # a sink logit per query head (the forward's HAS_SINKS; the logits are the call's)
 
     @property
     def name(self) -> str:
         return (f"{self.tile.module}.{self.arch}.{self.dtype}.d{self.head_dim}."
                 f"{'causal' if self.causal else 'full'}{'.local' if self.local else ''}"
-                f"{'.softcap' if self.softcap else ''}")
+                f"{'.softcap' if self.softcap else ''}{'.sinks' if self.sinks else ''}")
 
     def describe(self) -> str:
         return (self.tile.describe() + (" (tuned)" if self.tuned else "")
@@ -94,6 +95,7 @@ class TritonFA2Backend(Backend):
         empty=False,  # zero-sized grids; reference serves empty problems
         window=True,  # LOCAL kernels: key (query) blocks outside the window are skipped, its edges masked
         softcap=True,  # SOFTCAP kernels
+        sinks=True,  # the forward's HAS_SINKS; the backward recomputes P from the LSE, which counts the sink
     )
 
     def available(self) -> list[str]:
@@ -107,13 +109,13 @@ class TritonFA2Backend(Backend):
         return self.variants_table.FWD if family == "fwd" else self.variants_table.BWD
 
     def _variant(self, family: str, arch: str, head_dim: int, dtype: str, causal: bool,
-                 interpreted: bool = False, local: bool = False, softcap: bool = False) -> Planned:
+                 interpreted: bool = False, local: bool = False, softcap: bool = False, sinks: bool = False) -> Planned:
         tile, reasons = variants.pick(self._table(family), arch, head_dim, backend=self.name)
         if tile is None:
             return None, reasons
         tuned = self.variants_table is variants and tile == variants.tuned_tile(family, arch, head_dim)
         return TritonVariant(family, tile, self.templates[family], arch, head_dim, dtype, causal, tuned, interpreted,
-                             local, softcap), []
+                             local, softcap, sinks), []
 
     def _plan_family(self, problem: Problem, family: str) -> Planned:
         reasons = []
@@ -124,7 +126,7 @@ class TritonFA2Backend(Backend):
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         arch = self.interpreter_arch if cpu else problem.device.arch
         variant, why = self._variant(family, arch, problem.head_dim, problem.dtype, problem.causal, cpu,
-                                     problem.mask.windowed, problem.softcap)
+                                     problem.mask.windowed, problem.softcap, problem.sinks)
         reasons += why
         return (None, reasons) if reasons else (variant, [])
 
@@ -159,8 +161,9 @@ class TritonFA2Backend(Backend):
         q, k, v = _unit_stride(call.q), _unit_stride(call.k), _unit_stride(call.v)
         out = torch.empty_like(q)  # same strides as q when q is dense (bshd stays bshd), else contiguous
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        sinks = None if call.sinks is None else call.sinks.to(torch.float32).contiguous()
         variant.module.launch(q, k, v, out, lse, causal=variant.causal, scale=call.scale, window=_window(variant, call),
-                              softcap=call.softcap)
+                              softcap=call.softcap, sinks=sinks)
         return out, lse
 
     def backward(self, variant: TritonVariant, call, out, lse, dout, dlse=None):

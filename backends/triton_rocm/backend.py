@@ -23,4 +23,5 @@ class TritonRocmBackend(TritonFA2Backend):
         empty=False,
         window=True,  # the shared template's LOCAL kernels
         softcap=True,  # and its SOFTCAP kernels
+        sinks=True,  # and its HAS_SINKS forward
     )

@@ -147,5 +147,31 @@ def test_a_softcapped_gemma2_matches_eager(gen):
         assert (plain(ids).logits - want).abs().max() > 100 * (got - want).abs().max()  # the cap mattered
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
-    with pytest.raises(ValueError, match="softcap only without an attention mask tensor"), torch.no_grad():
+    with pytest.raises(ValueError, match="softcap and sinks only without an attention mask tensor"), torch.no_grad():
         ours(ids, attention_mask=mask)
+
+
+def test_gpt_oss_sinks_match_eager(gen):
+    """gpt-oss's attention sinks (s_aux) reach attention() as sinks: logits equal to transformers' eager
+    attention, and different from the same model with the sinks at -inf (where they have no share)."""
+    cfg = transformers.GptOssConfig(pad_token_id=0, head_dim=16, sliding_window=64, num_local_experts=2,
+                                    num_experts_per_tok=1, layer_types=["full_attention", "full_attention"],
+                                    **dict(TINY, intermediate_size=64))
+    integration.register()
+    torch.manual_seed(0)
+    ref = transformers.GptOssForCausalLM(copy.deepcopy(cfg)).eval()
+    ref.set_attn_implementation("eager")
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0, generator=gen)  # initialised to zeros: give them values
+    ours = transformers.GptOssForCausalLM(copy.deepcopy(cfg)).eval()
+    ours.load_state_dict(ref.state_dict())
+    ours.set_attn_implementation("attnforge")
+    ids = torch.randint(1, 128, (2, 37), generator=gen)
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours(ids).logits
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        assert attnforge.last_decision().problem.sinks
+        for layer in ours.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+        assert (ours(ids).logits - want).abs().max() > 100 * (got - want).abs().max()  # the sinks mattered
