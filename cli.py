@@ -45,7 +45,7 @@ def _explain(args) -> int:
                            seqlen_q=args.seqlen_q, seqlen_k=args.seqlen_k, batch=args.batch, heads=args.heads,
                            kv_heads=args.kv_heads, causal=args.causal, dropout_p=args.dropout_p,
                            needs_grad=args.needs_grad, return_lse=args.return_lse, backend=args.backend,
-                           window_size=args.window_size, softcap=args.softcap, sinks=args.sinks)
+                           window_size=args.window_size, softcap=args.softcap, sinks=args.sinks, alibi=args.alibi)
     print(json.dumps(decision.to_dict(), indent=2) if args.json else decision)
     return 0 if decision.ok else 1
 
@@ -425,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--softcap", type=float, default=0.0, help="cap the scores as softcap * tanh(s / softcap); "
                                                                "default 0 (none)")
     p.add_argument("--sinks", action="store_true", help="a sink logit per query head (gpt-oss)")
+    p.add_argument("--alibi", action="store_true", help="ALiBi slopes")
     p.add_argument("--dropout-p", type=float, default=0.0)
     p.add_argument("--needs-grad", action="store_true", help="also decide the backward")
     p.add_argument("--return-lse", action="store_true")

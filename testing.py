@@ -20,13 +20,16 @@ def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def oracle(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None, dout: torch.Tensor | None = None,
-           dlse: torch.Tensor | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None):
+           dlse: torch.Tensor | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+           alibi_slopes: torch.Tensor | None = None):
     """fp64 math on the given (already rounded) inputs: (out, lse) and, with ``dout``, (dq, dk, dv) (with
     ``dlse`` too, the gradients of both outputs; with ``sinks``, dsinks as a fourth); ``softcap`` caps the
     scores, ``sinks`` (heads_q,) adds a logit per head to each row's softmax."""
     q64, k64, v64 = (t.detach().double().requires_grad_(dout is not None) for t in (q, k, v))
     s64 = None if sinks is None else sinks.detach().double().requires_grad_(dout is not None)
-    out, lse = math_attention(q64, k64, v64, causal=causal, mask=mask, scale=scale, softcap=softcap, sinks=s64)
+    slopes = None if alibi_slopes is None else alibi_slopes.detach().double()
+    out, lse = math_attention(q64, k64, v64, causal=causal, mask=mask, scale=scale, softcap=softcap, sinks=s64,
+                              alibi_slopes=slopes)
     inputs = (q64, k64, v64) if s64 is None else (q64, k64, v64, s64)
     grads = None if dout is None else _grads(out, lse, inputs, dout.double(), dlse)
     return out.detach(), lse.detach(), grads
@@ -39,12 +42,15 @@ def _grads(out, lse, inputs, dout, dlse):
 
 
 def peer_error(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None, dout: torch.Tensor | None = None,
-               dlse: torch.Tensor | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None):
+               dlse: torch.Tensor | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+               alibi_slopes: torch.Tensor | None = None):
     """PyTorch's own materialised attention in the inputs' dtype: (out, grads) to measure that
     dtype's inherent error against the oracle (``dlse``: the LSE's gradient as well)."""
     qs, ks, vs = (t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v))
     ss = None if sinks is None else sinks.detach().clone().to(q.dtype).requires_grad_(dout is not None)
-    out, lse = math_attention(qs, ks, vs, causal=causal, mask=mask, scale=scale, softcap=softcap, sinks=ss)
+    slopes = None if alibi_slopes is None else alibi_slopes.detach().to(q.dtype)
+    out, lse = math_attention(qs, ks, vs, causal=causal, mask=mask, scale=scale, softcap=softcap, sinks=ss,
+                              alibi_slopes=slopes)
     grads = None if dout is None else _grads(out, lse, (qs, ks, vs) if ss is None else (qs, ks, vs, ss), dout, dlse)
     return out.detach(), grads
 

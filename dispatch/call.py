@@ -27,6 +27,7 @@ class Call(NamedTuple):
     attn_mask: torch.Tensor | None = None
     softcap: float = 0.0
     sinks: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None  # (batch, heads_q) fp32, heads contiguous (problem.alibi_slopes_of)
 
     @property
     def causal(self) -> bool:

@@ -62,6 +62,7 @@ class Problem:
     return_lse: bool = False
     softcap: bool = False  # scores capped as softcap * tanh(scores / softcap) (the value is the Call's)
     sinks: bool = False  # one learnable logit per query head in each row's softmax (the tensor is the Call's)
+    alibi: bool = False  # ALiBi: -slope * |i + Nk - Nq - j| added to the scores (the slopes are the Call's)
 
     def __post_init__(self):
         for field in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v"):
@@ -94,7 +95,7 @@ class Problem:
     def describe(self) -> str:
         heads = f"{self.heads_q}" if not self.gqa else f"{self.heads_q}/{self.heads_kv}kv"
         dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
-        flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), ("softcap", self.softcap), ("sinks", self.sinks),
+        flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), ("softcap", self.softcap), ("sinks", self.sinks), ("alibi", self.alibi),
                                  ("dropout", self.dropout), ("grad", self.needs_grad), ("lse", self.return_lse)) if on]
         return (f"{self.dtype} b={self.batch} h={heads} nq={self.seqlen_q} nk={self.seqlen_k} {dims}"
                 + (" " + ",".join(flags) if flags else "") + f" on {self.device.arch} ({self.device.name})")
@@ -138,7 +139,7 @@ def validate_tensors(q, k, v, layout: str) -> None:
 
 def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: str = "bhsd", mask: Mask = Mask(),
                          dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None,
-                         softcap: bool = False, sinks: bool = False) -> Problem:
+                         softcap: bool = False, sinks: bool = False, alibi: bool = False) -> Problem:
     """Validate q, k, v and describe them as a Problem on ``device`` (default: the tensors' device)."""
     validate_tensors(q, k, v, layout)
     if device is None:
@@ -150,7 +151,7 @@ def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: s
                    seqlen_k=k.shape[s], head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=_NAME_OF[q.dtype],
                    device=device, mask=mask, dropout=check_dropout(dropout_p) > 0,
                    needs_grad=bool(needs_grad), return_lse=bool(return_lse), softcap=bool(softcap),
-                   sinks=bool(sinks))
+                   sinks=bool(sinks), alibi=bool(alibi))
 
 
 def check_softcap(softcap) -> float:
@@ -175,6 +176,23 @@ def check_sinks(sinks, q, layout: str) -> None:
                                 f"{'' if not isinstance(sinks, torch.Tensor) else ' ' + str(sinks.dtype)}")
     if shaped and sinks.device != q.device:
         raise InvalidInputError(f"q is on {q.device} but sinks is on {sinks.device}; put them on one device")
+
+
+def alibi_slopes_of(slopes, q, layout: str) -> torch.Tensor:
+    """``alibi_slopes`` (heads_q,) or (batch, heads_q), floating, on q's device, as the (batch, heads_q) fp32 view
+    the kernels read (fp64 for fp64 inputs; batch stride 0 for per-head slopes; heads contiguous)."""
+    shaped = isinstance(q, torch.Tensor) and q.dim() == 4
+    batch, heads = (q.shape[0], q.shape[1 if layout == "bhsd" else 2]) if shaped else (None, None)
+    ok = (isinstance(slopes, torch.Tensor) and slopes.is_floating_point()
+          and (tuple(slopes.shape) in ((heads,), (batch, heads)) if shaped else slopes.dim() in (1, 2)))
+    if not ok:
+        got = tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+        raise InvalidInputError(f"alibi_slopes must be a float tensor of shape (heads_q,) = ({heads},) or (batch, "
+                                f"heads_q) = ({batch}, {heads}), got {got}")
+    if shaped and slopes.device != q.device:
+        raise InvalidInputError(f"q is on {q.device} but alibi_slopes is on {slopes.device}; put them on one device")
+    slopes = slopes.detach().to(torch.float64 if shaped and q.dtype == torch.float64 else torch.float32)
+    return (slopes.expand(batch, heads) if slopes.dim() == 1 else slopes).contiguous() if shaped else slopes
 
 
 def check_dropout(dropout_p) -> float:

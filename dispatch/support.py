@@ -23,6 +23,7 @@ class Support:
     mask_tensor: bool = False  # an explicit attn_mask tensor
     softcap: bool = False  # scores capped as softcap * tanh(scores / softcap)
     sinks: bool = False  # a learnable logit per query head in the softmax denominator (gpt-oss)
+    alibi: bool = False  # ALiBi slopes
     gqa: bool = True
     dropout: bool = True
     return_lse: bool = True
@@ -57,6 +58,8 @@ class Support:
             out.append("softcap is not supported")
         if p.sinks and not self.sinks:
             out.append("attention sinks are not supported")
+        if p.alibi and not self.alibi:
+            out.append("ALiBi is not supported")
         if p.gqa and not self.gqa:
             out.append(f"grouped-query attention ({p.heads_q} q heads / {p.heads_kv} kv heads) is not supported")
         if p.dropout and not self.dropout:

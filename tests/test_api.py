@@ -287,7 +287,7 @@ def test_sinks_match_fp64_math_with_their_gradient_and_gradcheck(gen):
     small = [t.detach()[:1, :, :7, :4].clone().requires_grad_() for t in (q, k, v)]
     torch.autograd.gradcheck(lambda q, k, v, s: attention(q, k, v, window_size=(3, 2), sinks=s, backend="reference",
                                                           return_lse=True), (*small, sinks))
-    with pytest.raises(Exception, match="sinks inside torch.compile are not supported yet"):
+    with pytest.raises(Exception, match="sinks and ALiBi inside torch.compile are not supported yet"):
         torch.compile(lambda q: attention(q, k, v, sinks=sinks), fullgraph=True, backend="eager")(q)
 
 
@@ -297,3 +297,29 @@ def test_explain_takes_sinks_on_the_command_line(capsys):
     assert main(["explain", "--device", "H100", "--dtype", "bf16", "--head-dim", "64", "--seqlen-q", "4096",
                  "--sinks", "--json"]) == 0
     assert "sinks" in capsys.readouterr().out
+
+
+def test_alibi_is_flash_attentions_bias_written_out(gen):
+    """-slope * |i + Nk - Nq - j| on the scaled (capped) scores, per (batch, head) or per head, written out here
+    independently of the reference's code; the LSE includes the bias; gradcheck through it."""
+    b, h, nq, nk, d = 2, 2, 5, 7, 4
+    q = torch.randn(b, h, nq, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, 1, nk, d, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    slopes = torch.tensor([[0.5, 0.25], [1.0, 0.125]], dtype=torch.float64)
+    bias = torch.tensor([[[[-slopes[bb, hh].item() * abs(i + nk - nq - j) for j in range(nk)] for i in range(nq)]
+                          for hh in range(h)] for bb in range(b)], dtype=torch.float64)
+    s = q @ k.transpose(-1, -2) * 0.7 + bias
+    s = s.masked_fill(torch.arange(nk)[None, :] > torch.arange(nq)[:, None] + nk - nq, float("-inf"))  # causal
+    want, want_lse = torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    out, lse = attention(q, k, v, causal=True, scale=0.7, alibi_slopes=slopes, backend="reference", return_lse=True)
+    assert torch.allclose(out, want, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)
+    per_head = attention(q, k, v, scale=0.7, alibi_slopes=slopes[0], backend="reference")
+    assert torch.allclose(per_head, attention(q, k, v, scale=0.7, alibi_slopes=slopes[0].expand(b, h),
+                                              backend="reference"), atol=0)
+    torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, causal=True, alibi_slopes=slopes, softcap=1.5,
+                                                       backend="reference", return_lse=True), (q, k, v))
+    with pytest.raises(InvalidInputError, match=r"alibi_slopes must be a float tensor of shape \(heads_q,\) = \(2,\)"):
+        attention(q, k, v, alibi_slopes=torch.ones(3))
+    d = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, alibi=True, needs_grad=True)
+    assert (d.forward.backend, d.backward.backend) == ("triton_fa2", "triton_fa2")
+    assert "ALiBi is not supported" in d.forward.reasons_of("cute_sm90")

@@ -23,7 +23,7 @@ class ReferenceBackend(Backend):
         vendors=frozenset({"nvidia", "amd", "cpu"}),
         dtypes=frozenset({"fp16", "bf16", "fp32", "fp64"}),
         top_left=True, window=True,  # the mask model's rule, written once in torch (dispatch/mask.py)
-        softcap=True, sinks=True,
+        softcap=True, sinks=True, alibi=True,
         dropout=False,  # the dropout mask would have to be regenerated in backward; sdpa serves dropout
     )
 
@@ -40,9 +40,9 @@ class ReferenceBackend(Backend):
     def forward(self, variant, call):
         with _no_autocast(call.q):  # its fp32 (fp64) accumulation is the point: autocast must not lower it
             return kernels.forward(call.q, call.k, call.v, mask=call.mask, scale=call.scale, softcap=call.softcap,
-                                   sinks=call.sinks)
+                                   sinks=call.sinks, alibi_slopes=call.alibi_slopes)
 
     def backward(self, variant, call, out, lse, dout, dlse=None):
         with _no_autocast(call.q):
             return kernels.backward(call.q, call.k, call.v, out, lse, dout, mask=call.mask, scale=call.scale, dlse=dlse,
-                                    softcap=call.softcap)
+                                    softcap=call.softcap, alibi_slopes=call.alibi_slopes)

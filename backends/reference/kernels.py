@@ -85,24 +85,30 @@ def capped(s: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(s / softcap) if softcap else s
 
 
-def cap_gradient(s: torch.Tensor, softcap: float) -> torch.Tensor:
-    """d capped / d s at the (masked) capped scores ``s``: 1 - tanh^2 = 1 - (s / softcap)^2; 0 where a key is
-    hidden (s = -inf, whose P is 0), so no 0 * inf appears; NaN stays NaN."""
-    return torch.where(s == float("-inf"), 0.0, 1.0 - (s / softcap) ** 2)
+def alibi_bias(slopes: torch.Tensor, start: int, width: int, seqlen_q: int, seqlen_k: int, heads_kv: int, acc_t):
+    """-slope * |i + seqlen_k - seqlen_q - j| for keys [start, start + width), as (batch, heads_kv, group, rows,
+    width) from (batch, heads_q) slopes."""
+    rows = torch.arange(seqlen_q, device=slopes.device)[:, None]
+    cols = torch.arange(start, start + width, device=slopes.device)[None, :]
+    distance = (rows + (seqlen_k - seqlen_q) - cols).abs().to(acc_t)
+    return -slopes.to(acc_t).unflatten(1, (heads_kv, -1))[..., None, None] * distance
 
 
-def _key_tile(qg, k, v, start, block_n, scale, mask, acc_t, softcap: float = 0.0):
-    """Key/value tile [start, start + block_n) broadcast over the query group, and its (capped, masked) scores."""
+def _key_tile(qg, k, v, start, block_n, scale, mask, acc_t, softcap: float = 0.0, alibi_slopes=None):
+    """Key/value tile [start, start + block_n) broadcast over the query group, and its (capped, biased, masked)
+    scores."""
     kb = k[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
     vb = v[:, :, start:start + block_n].to(acc_t).unsqueeze(2)
     s = capped((qg @ kb.transpose(-1, -2)) * scale, softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, start, kb.shape[-2], qg.shape[-2], k.shape[2], k.shape[1], acc_t)
     if mask.by_rule:
         s = _mask_tile(s, start, qg.shape[-2], k.shape[2], mask)
     return kb, vb, s
 
 
 def forward(q, k, v, *, causal: bool = False, scale: float, block_n: int = BLOCK_N, mask: Mask | None = None,
-            softcap: float = 0.0, sinks: torch.Tensor | None = None):
+            softcap: float = 0.0, sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None):
     """Returns (out in q's dtype, LSE in fp32 (fp64 for fp64 inputs)). Shapes (B, H, N, D). ``softcap`` > 0
     caps the scaled scores (capped()). ``sinks`` (heads_q,): each row's softmax starts from its head's sink, a
     logit with no value (running max = the sink, sum = 1), so a row that sees no key gives 0 with LSE = sink."""
@@ -122,7 +128,7 @@ def forward(q, k, v, *, causal: bool = False, scale: float, block_n: int = BLOCK
     nonfinite = _has_nonfinite_values(v, mask)
     flags = None
     for start in range(0, seqlen_k, block_n):
-        _, vb, s = _key_tile(qg, k, v, start, block_n, scale, mask, acc_t, softcap)
+        _, vb, s = _key_tile(qg, k, v, start, block_n, scale, mask, acc_t, softcap, alibi_slopes)
         if nonfinite:
             visible = _visible(start, block_n, seqlen_q, seqlen_k, mask, q.device)
             tile_flags = _nonfinite_values(visible, vb)
@@ -145,10 +151,10 @@ def forward(q, k, v, *, causal: bool = False, scale: float, block_n: int = BLOCK
 
 
 def backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float, block_n: int = BLOCK_N,
-             mask: Mask | None = None, dlse=None, softcap: float = 0.0):
+             mask: Mask | None = None, dlse=None, softcap: float = 0.0, alibi_slopes=None):
     """(dq, dk, dv) in the inputs' dtypes, recomputing P = exp(S - LSE) tile by tile. ``dlse``, the LSE's
     gradient (or None): dLSE/dS = P, so dS = P * (dP - (delta - dlse)). With ``softcap``, S is the capped score
-    and dS is carried back through the cap (cap_gradient)."""
+    and dS is carried back through the cap."""
     mask = as_mask(causal, mask)
     acc_t = accumulation_dtype(q.dtype)
     batch, heads_q, seqlen_q, _ = q.shape
@@ -166,25 +172,26 @@ def backward(q, k, v, out, lse, dout, *, causal: bool = False, scale: float, blo
     lse_g = _grouped(lse, heads_kv, acc_t).masked_fill(lse.unflatten(1, (heads_kv, -1)) == float("-inf"), float("inf"))
     dq = torch.zeros_like(qg)
     for start in range(0, seqlen_k, block_n):
-        kb, vb, s = _key_tile(qg, k, v, start, block_n, scale, mask, acc_t, softcap)
+        kb, vb, s = _key_tile(qg, k, v, start, block_n, scale, mask, acc_t, softcap, alibi_slopes)
         p = torch.exp(s - lse_g[..., None])
         dv[:, :, start:start + block_n] = (p.transpose(-1, -2) @ dog).sum(2)  # sum over the query-head group
         dp = dog @ vb.transpose(-1, -2)
         ds = p * (dp - delta[..., None])
-        if softcap:
-            ds = ds * cap_gradient(s, softcap)
+        if softcap:  # through the cap: d capped / d s = 1 - tanh^2, at the capped scores before bias and mask
+            ds = ds * (1.0 - (capped((qg @ kb.transpose(-1, -2)) * scale, softcap) / softcap) ** 2)
         dq += (ds @ kb) * scale
         dk[:, :, start:start + block_n] = (ds.transpose(-1, -2) @ qg).sum(2) * scale
     return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask: Mask | None = None,
-                   softcap: float = 0.0, sinks: torch.Tensor | None = None):
+                   softcap: float = 0.0, sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None):
     """Plain materialised attention (scores, softmax, matmul) in the inputs' dtype: the textbook
     definition with FlashAttention's masking conventions (``causal`` aligns bottom-right; ``mask``, a
     dispatch.mask.Mask, says more). Meant for fp64 checks at small sizes."""
     mask = as_mask(causal, mask)
-    p, lse = math_probabilities(q, k, causal=causal, scale=scale, mask=mask, softcap=softcap, sinks=sinks)
+    p, lse = math_probabilities(q, k, causal=causal, scale=scale, mask=mask, softcap=softcap, sinks=sinks,
+                                alibi_slopes=alibi_slopes)
     v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     if not _has_nonfinite_values(v, mask):
         return p @ v, lse
@@ -193,7 +200,8 @@ def math_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
 
 
 def math_probabilities(q, k, *, causal: bool = False, scale: float | None = None, mask: Mask | None = None,
-                       softcap: float = 0.0, sinks: torch.Tensor | None = None):
+                       softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                       alibi_slopes: torch.Tensor | None = None):
     """The softmax probabilities P (batch, heads_q, seqlen_q, seqlen_k) of math_attention and its LSE
     (``softcap``: of the capped scores; torch autograd differentiates through the tanh). ``sinks``
     (heads_q,): one more score per row, its head's sink, in the softmax and the LSE but not in P."""
@@ -202,6 +210,9 @@ def math_probabilities(q, k, *, causal: bool = False, scale: float | None = None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     s = capped((q @ k.transpose(-1, -2)) * scale, softcap)
+    if alibi_slopes is not None:  # (batch or 1, heads_q) slopes; the bias is (batch, heads_q, rows, keys)
+        slopes = alibi_slopes.expand(q.shape[0], q.shape[1]) if alibi_slopes.dim() == 2 else alibi_slopes.expand(q.shape[0], -1)
+        s = s + alibi_bias(slopes, 0, seqlen_k, seqlen_q, seqlen_k, q.shape[1], s.dtype).flatten(1, 2)
     if mask.by_rule:
         s = _mask_tile(s, 0, seqlen_q, seqlen_k, mask)
     if sinks is not None:  # the sink as one more key with no value: softmax over [s, sink], then drop it

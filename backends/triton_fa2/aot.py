@@ -6,7 +6,7 @@ from __future__ import annotations
 from ...runtime.triton_aot import KernelBuild, kernel_function
 
 # Pointer arguments that hold fp32 whatever the inputs' dtype; every other pointer holds the data dtype.
-FP32_POINTERS = {"LSE", "DELTA", "SINKS"}
+FP32_POINTERS = {"LSE", "DELTA", "SINKS", "SLOPES"}
 # Upper-case parameters that are sizes, not pointers.
 SIZES = ("B", "H", "GROUP", "N_Q", "N_K")
 TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16"}
@@ -40,12 +40,13 @@ def builds(variant, path) -> list[KernelBuild]:
         sig, aligned = signature(fn, variant.dtype)
         names = dict(sig)
         local, softcap = getattr(variant, "local", False), getattr(variant, "softcap", False)
-        sinks = getattr(variant, "sinks", False)
+        sinks, alibi = getattr(variant, "sinks", False), getattr(variant, "alibi", False)
         # as launch() passes them: a LOCAL kernel takes its window as arguments, with CAUSAL off (folded into it)
         causal = variant.causal and not local if "CAUSAL" in names else False  # preprocess has no causal variant
         constexprs = ((("HEAD_DIM", pad), ("D", variant.head_dim)) + ((("CAUSAL", causal),) if "CAUSAL" in names else ())
                       + ((("LOCAL", local),) if "LOCAL" in names else ()) + ((("SOFTCAP", softcap),) if "SOFTCAP" in names else ())
-                      + ((("HAS_SINKS", sinks),) if "HAS_SINKS" in names else ()))
+                      + ((("HAS_SINKS", sinks),) if "HAS_SINKS" in names else ())
+                      + ((("ALIBI", alibi),) if "ALIBI" in names else ()))
         out.append(KernelBuild(str(path), tile.module, kernel, variant.arch, variant.dtype, variant.head_dim, causal,
                                tile.num_warps, tile.num_stages, sig, constexprs, aligned, options))
     return out

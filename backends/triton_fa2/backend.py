@@ -38,6 +38,12 @@ def _window(variant, call) -> tuple[int, int] | None:
     return call.mask.window_bounds if variant.local else None
 
 
+def _slopes(call):
+    """The call's ALiBi slopes as the kernels read them: (batch, heads_q) fp32, heads contiguous; or None."""
+    s = call.alibi_slopes
+    return None if s is None else s.to(torch.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class TritonVariant(Variant):
     """One generated Triton module (a forward or a backward tile) for an arch, head dim, dtype and causality.
@@ -56,12 +62,14 @@ class TritonVariant(Variant):
     local: bool = False  # a sliding window (the kernels' LOCAL; the window itself is the call's)
     softcap: bool = False  # capped scores (the kernels' SOFTCAP; the cap itself is the call's)
     sinks: bool = False  # a sink logit per query head (the forward's HAS_SINKS; the logits are the call's)
+    alibi: bool = False  # ALiBi (the kernels' ALIBI; the slopes are the call's)
 
     @property
     def name(self) -> str:
         return (f"{self.tile.module}.{self.arch}.{self.dtype}.d{self.head_dim}."
                 f"{'causal' if self.causal else 'full'}{'.local' if self.local else ''}"
-                f"{'.softcap' if self.softcap else ''}{'.sinks' if self.sinks else ''}")
+                f"{'.softcap' if self.softcap else ''}{'.sinks' if self.sinks else ''}"
+                f"{'.alibi' if self.alibi else ''}")
 
     def describe(self) -> str:
         return (self.tile.describe() + (" (tuned)" if self.tuned else "")
@@ -96,6 +104,7 @@ class TritonFA2Backend(Backend):
         window=True,  # LOCAL kernels: key (query) blocks outside the window are skipped, its edges masked
         softcap=True,  # SOFTCAP kernels
         sinks=True,  # the forward's HAS_SINKS; the backward recomputes P from the LSE, which counts the sink
+        alibi=True,  # ALIBI kernels
     )
 
     def available(self) -> list[str]:
@@ -109,13 +118,14 @@ class TritonFA2Backend(Backend):
         return self.variants_table.FWD if family == "fwd" else self.variants_table.BWD
 
     def _variant(self, family: str, arch: str, head_dim: int, dtype: str, causal: bool,
-                 interpreted: bool = False, local: bool = False, softcap: bool = False, sinks: bool = False) -> Planned:
+                 interpreted: bool = False, local: bool = False, softcap: bool = False, sinks: bool = False,
+                 alibi: bool = False) -> Planned:
         tile, reasons = variants.pick(self._table(family), arch, head_dim, backend=self.name)
         if tile is None:
             return None, reasons
         tuned = self.variants_table is variants and tile == variants.tuned_tile(family, arch, head_dim)
         return TritonVariant(family, tile, self.templates[family], arch, head_dim, dtype, causal, tuned, interpreted,
-                             local, softcap, sinks), []
+                             local, softcap, sinks, alibi), []
 
     def _plan_family(self, problem: Problem, family: str) -> Planned:
         reasons = []
@@ -126,7 +136,7 @@ class TritonFA2Backend(Backend):
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         arch = self.interpreter_arch if cpu else problem.device.arch
         variant, why = self._variant(family, arch, problem.head_dim, problem.dtype, problem.causal, cpu,
-                                     problem.mask.windowed, problem.softcap, problem.sinks)
+                                     problem.mask.windowed, problem.softcap, problem.sinks, problem.alibi)
         reasons += why
         return (None, reasons) if reasons else (variant, [])
 
@@ -163,7 +173,7 @@ class TritonFA2Backend(Backend):
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         sinks = None if call.sinks is None else call.sinks.to(torch.float32).contiguous()
         variant.module.launch(q, k, v, out, lse, causal=variant.causal, scale=call.scale, window=_window(variant, call),
-                              softcap=call.softcap, sinks=sinks)
+                              softcap=call.softcap, sinks=sinks, alibi_slopes=_slopes(call))
         return out, lse
 
     def backward(self, variant: TritonVariant, call, out, lse, dout, dlse=None):
@@ -171,5 +181,5 @@ class TritonFA2Backend(Backend):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dlse = None if dlse is None else dlse.to(torch.float32)
         variant.module.launch(q, k, v, out, lse, dout, dq, dk, dv, causal=variant.causal, scale=call.scale, dlse=dlse,
-                              window=_window(variant, call), softcap=call.softcap)
+                              window=_window(variant, call), softcap=call.softcap, alibi_slopes=_slopes(call))
         return dq, dk, dv

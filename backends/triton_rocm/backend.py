@@ -24,4 +24,5 @@ class TritonRocmBackend(TritonFA2Backend):
         window=True,  # the shared template's LOCAL kernels
         softcap=True,  # and its SOFTCAP kernels
         sinks=True,  # and its HAS_SINKS forward
+        alibi=True,  # and its ALIBI kernels
     )

@@ -107,15 +107,16 @@ def test_prebuilt_kernels_load_from_the_cache_without_compiling(tmp_path, monkey
                                                                    causal=(True,)) if v.family == "fwd"]
     tile = variant.tile
     lookup = dict(kernel=variant.module.fwd_kernel, device=torch.device("cuda"), dtype_name="bf16",
-                  constexprs=dict(HEAD_DIM=64, D=64, CAUSAL=True, LOCAL=False, SOFTCAP=False, HAS_SINKS=False),
+                  constexprs=dict(HEAD_DIM=64, D=64, CAUSAL=True, LOCAL=False, SOFTCAP=False, HAS_SINKS=False,
+                                  ALIBI=False),
                   num_warps=tile.num_warps,
                   num_stages=tile.num_stages)
     found = triton_launch.find_prebuilt(**lookup, cache_dir=tmp_path)
     assert found is not None and found.metadata.name == "fwd_kernel"
     assert triton_launch.find_prebuilt(**dict(lookup, constexprs=dict(HEAD_DIM=64, D=64, CAUSAL=False, LOCAL=False,
-                                                                      SOFTCAP=False, HAS_SINKS=False)),
+                                                                      SOFTCAP=False, HAS_SINKS=False, ALIBI=False)),
                                        cache_dir=tmp_path) is None  # not built: the JIT serves it
     # a sliding window's LOCAL kernel (CAUSAL folded into its window) is not built ahead of time either
     assert triton_launch.find_prebuilt(**dict(lookup, constexprs=dict(HEAD_DIM=64, D=64, CAUSAL=False, LOCAL=True,
-                                                                      SOFTCAP=False, HAS_SINKS=False)),
+                                                                      SOFTCAP=False, HAS_SINKS=False, ALIBI=False)),
                                        cache_dir=tmp_path) is None
