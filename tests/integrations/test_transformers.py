@@ -17,16 +17,19 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=128)
 
 
-def pair(model_class, cfg):
-    """The same random model twice: through attn_implementation="sdpa" and through "attnforge"."""
+def pair(model_class, cfg, reference="sdpa", prepare=None):
+    """The same random model twice: through attn_implementation=``reference`` and through "attnforge"
+    (``prepare(ref)`` may set weights on the reference first)."""
     integration.register()
     torch.manual_seed(0)
     ref = model_class(copy.deepcopy(cfg)).eval()
-    ref.set_attn_implementation("sdpa")
+    ref.set_attn_implementation(reference)
+    if prepare is not None:
+        prepare(ref)
     ours = model_class(copy.deepcopy(cfg)).eval()
     ours.load_state_dict(ref.state_dict())
     ours.set_attn_implementation("attnforge")
-    assert (ref.config._attn_implementation, ours.config._attn_implementation) == ("sdpa", "attnforge")
+    assert (ref.config._attn_implementation, ours.config._attn_implementation) == (reference, "attnforge")
     return ref, ours
 
 
@@ -127,13 +130,7 @@ def test_a_softcapped_gemma2_matches_eager(gen):
     model's scores are about 0.01, so a cap of 0.02 bends them; Gemma 2 itself caps at 50.)"""
     cfg = transformers.Gemma2Config(pad_token_id=0, head_dim=16, sliding_window=64, attn_logit_softcapping=0.02,
                                     final_logit_softcapping=None, **TINY)
-    integration.register()
-    torch.manual_seed(0)
-    ref = transformers.Gemma2ForCausalLM(copy.deepcopy(cfg)).eval()
-    ref.set_attn_implementation("eager")
-    ours = transformers.Gemma2ForCausalLM(copy.deepcopy(cfg)).eval()
-    ours.load_state_dict(ref.state_dict())
-    ours.set_attn_implementation("attnforge")
+    ref, ours = pair(transformers.Gemma2ForCausalLM, cfg, reference="eager")
     ids = torch.randint(1, 128, (2, 37), generator=gen)
     with torch.no_grad():
         want, got = ref(ids).logits, ours(ids).logits
@@ -157,16 +154,12 @@ def test_gpt_oss_sinks_match_eager(gen):
     cfg = transformers.GptOssConfig(pad_token_id=0, head_dim=16, sliding_window=64, num_local_experts=2,
                                     num_experts_per_tok=1, layer_types=["full_attention", "full_attention"],
                                     **dict(TINY, intermediate_size=64))
-    integration.register()
-    torch.manual_seed(0)
-    ref = transformers.GptOssForCausalLM(copy.deepcopy(cfg)).eval()
-    ref.set_attn_implementation("eager")
-    with torch.no_grad():
-        for layer in ref.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 2.0, generator=gen)  # initialised to zeros: give them values
-    ours = transformers.GptOssForCausalLM(copy.deepcopy(cfg)).eval()
-    ours.load_state_dict(ref.state_dict())
-    ours.set_attn_implementation("attnforge")
+    def give_sinks_values(model):  # initialised to zeros
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0, generator=gen)
+
+    ref, ours = pair(transformers.GptOssForCausalLM, cfg, reference="eager", prepare=give_sinks_values)
     ids = torch.randint(1, 128, (2, 37), generator=gen)
     with torch.no_grad():
         want, got = ref(ids).logits, ours(ids).logits
