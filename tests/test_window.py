@@ -98,6 +98,7 @@ def test_the_triton_kernels_serve_windows_and_the_cute_kernels_say_why_not(devic
                           needs_grad=True)
     assert (d.forward.backend, d.backward.backend) == (triton, triton)
     assert d.forward.variant.local and d.backward.variant.local and d.forward.variant.name.endswith(".causal.local")
+    assert "+window" in d.forward.describe() and "+window" in d.backward.describe()
     if d.preferred != triton:  # the CuTe kernels have no window yet
         assert "a sliding window is not supported" in d.forward.reasons_of(d.preferred)
     else:

@@ -72,7 +72,9 @@ class TritonVariant(Variant):
                 f"{'.alibi' if self.alibi else ''}")
 
     def describe(self) -> str:
-        return (self.tile.describe() + (" (tuned)" if self.tuned else "")
+        features = [f for f, on in (("window", self.local), ("softcap", self.softcap), ("sinks", self.sinks),
+                                    ("alibi", self.alibi)) if on]
+        return (self.tile.describe() + (f" +{'+'.join(features)}" if features else "") + (" (tuned)" if self.tuned else "")
                 + (" (interpreter)" if self.interpreted else ""))
 
     @property
