@@ -85,6 +85,13 @@ class Problem:
         return self.mask.causal
 
     @property
+    def score_features(self) -> tuple[str, ...]:
+        """The score modifications the call asks for, by name (softcap, sinks, alibi): what a dense measurement or
+        a plain tiny problem does not stand for."""
+        return tuple(name for name, on in (("softcap", self.softcap), ("sinks", self.sinks), ("alibi", self.alibi))
+                     if on)
+
+    @property
     def gqa(self) -> bool:
         return self.heads_q != self.heads_kv
 
@@ -95,7 +102,7 @@ class Problem:
     def describe(self) -> str:
         heads = f"{self.heads_q}" if not self.gqa else f"{self.heads_q}/{self.heads_kv}kv"
         dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
-        flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), ("softcap", self.softcap), ("sinks", self.sinks), ("alibi", self.alibi),
+        flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), *((f, True) for f in self.score_features),
                                  ("dropout", self.dropout), ("grad", self.needs_grad), ("lse", self.return_lse)) if on]
         return (f"{self.dtype} b={self.batch} h={heads} nq={self.seqlen_q} nk={self.seqlen_k} {dims}"
                 + (" " + ",".join(flags) if flags else "") + f" on {self.device.arch} ({self.device.name})")

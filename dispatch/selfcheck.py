@@ -38,6 +38,8 @@ UNCHECKED = frozenset({"reference"})  # the oracle itself
 BATCH, HEADS_Q, HEADS_KV, SEQLEN_Q, SEQLEN_K = 1, 2, 1, 133, 161
 # A softcapped variant runs its tiny problem with this cap: near the unit scores' size, so the tanh bends them.
 SOFTCAP = 2.0
+# ALiBi's geometric slopes for the tiny problem's HEADS_Q heads (2^(-8 i / heads)).
+ALIBI_SLOPES = tuple(2.0 ** (-8.0 * i / HEADS_Q) for i in range(1, HEADS_Q + 1))
 
 _verdicts: dict[str, tuple[str, ...]] = {}  # this process: key -> reasons (empty: passed)
 costs: list[tuple[str, float]] = []  # (key, seconds) of the checks this process ran
@@ -54,7 +56,7 @@ def key_of(backend, variant, problem: Problem) -> str:
     d = problem.device
     return (f"{backend.name}|{variant.name if variant is not None else ''}|{problem.dtype}|"
             f"d{problem.head_dim}/{problem.head_dim_v}|{problem.mask.describe() or 'full'}"
-            f"{'|softcap' if problem.softcap else ''}|{d.name}|{d.arch}")
+            f"{''.join('|' + f for f in problem.score_features)}|{d.name}|{d.arch}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -172,9 +174,14 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
     q, k, v = (rand(HEADS_Q, SEQLEN_Q, problem.head_dim), rand(HEADS_KV, SEQLEN_K, problem.head_dim),
                rand(HEADS_KV, SEQLEN_K, problem.head_dim_v))
     scale = problem.head_dim ** -0.5
-    softcap = SOFTCAP if problem.softcap else 0.0
-    out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask, softcap=softcap))
-    ref, _ = math_attention(q.double(), k.double(), v.double(), mask=problem.mask, scale=scale, softcap=softcap)
+    # the variant's score features, each with values that change the answer (a sink above some rows' scores)
+    features = dict(softcap=SOFTCAP if problem.softcap else 0.0,
+                    sinks=torch.randn(HEADS_Q, generator=g).to(device) if problem.sinks else None,
+                    alibi_slopes=(torch.tensor(ALIBI_SLOPES, device=device).expand(BATCH, HEADS_Q).contiguous()
+                                  if problem.alibi else None))
+    out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask, **features))
+    ref, _ = math_attention(q.double(), k.double(), v.double(), mask=problem.mask, scale=scale,
+                            **{n: x.double() if isinstance(x, torch.Tensor) else x for n, x in features.items()})
     if not torch.isfinite(out).all():
         return ("self-check failed: NaN or inf in the output of a tiny problem",)
     if problem.dtype == "fp8":  # as the FP8 tests: relative Frobenius error, at most 1.2x that of rounding P to
@@ -187,7 +194,8 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
         return ()
     # the test suite's rule (testing.assert_close): twice torch's own error computing the same thing in this
     # dtype, plus sqrt(reduction length) units of rounding
-    peer, _ = math_attention(q, k, v, mask=problem.mask, scale=scale, softcap=softcap)
+    peer, _ = math_attention(q, k, v, mask=problem.mask, scale=scale,
+                             **{n: x.to(dtype) if isinstance(x, torch.Tensor) else x for n, x in features.items()})
     err, bound, peer_err = error_and_bound(out, ref, peer, ulps=4 * max(SEQLEN_K, problem.head_dim) ** 0.5)
     if err > bound:
         return (f"self-check failed: max error {err:.3g} against fp64 math on a tiny problem "

@@ -9,7 +9,6 @@ import pytest
 
 import attnforge
 from attnforge.dispatch import costs, select
-from attnforge.api import explain
 from attnforge.dispatch.costs import CostTableError
 
 SHAPE = dict(dtype="bf16", head_dim=128, head_dim_v=128, causal=True, batch=4, heads_q=16, heads_kv=16,
@@ -229,6 +228,7 @@ def test_the_grid_takes_a_tokens_budget():
         bench_costs.default_grid(tokens=(4096,))
 
 
+@pytest.mark.cost_tables  # (the shipped table as the second case below, not the suite's None)
 def test_a_plan_with_the_last_resort_backward_ranks_after_a_fast_pair():
     """cute_sm90 serves d=80 forwards, and only the reference could follow it backward (triton_fa2 has no d=80):
     training goes to the sdpa pair, with or without a table."""
@@ -241,3 +241,17 @@ def test_a_plan_with_the_last_resort_backward_ranks_after_a_fast_pair():
     select.decide.cache_clear()
     forced = explain(**with_grad, backend="cute_sm90")
     assert (forced.forward.backend, forced.backward.backend) == ("cute_sm90", "reference")
+
+
+@pytest.mark.cost_tables
+@pytest.mark.parametrize("feature", [dict(softcap=30.0), dict(sinks=True), dict(alibi=True)])
+def test_softcap_sinks_and_alibi_are_unmeasured(feature):
+    """Tables time dense calls only: a score feature keeps the priority order and says "unmeasured" rather
+    than quoting a dense figure."""
+    if costs.table("sm90") is None:
+        pytest.skip("no sm90 cost table in this build")
+    select.decide.cache_clear()  # decisions other tests made with their own tables
+    shape = dict(device="H200", head_dim=128, seqlen_q=16384, batch=1, heads=16)  # a measured class
+    d = explain(**shape, **feature)
+    assert d.forward.backend == "triton_fa2" and d.forward.candidates[1].evidence == "unmeasured", d.forward
+    assert "measured on NVIDIA H200" in explain(**shape).forward.candidates[1].evidence  # the dense call is measured

@@ -225,3 +225,35 @@ def test_the_check_is_not_bound_by_an_enclosing_sdpa_kernel_context(monkeypatch,
     variant, _ = backend.plan(problem)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         assert selfcheck.reasons(backend, variant, problem) == ()
+
+
+class _FeatureBackend(attnforge.dispatch.registry.Backend):
+    """The reference's kernels as a device backend; ``drops`` names a score feature it ignores (a kernel whose
+    feature is broken)."""
+
+    name, drops = "feature_check", None
+
+    def forward(self, variant, call):
+        if self.drops:
+            call = call._replace(**{self.drops: 0.0 if self.drops == "softcap" else None})
+        return registered()["reference"].forward(variant, call)
+
+
+@pytest.mark.parametrize("feature", ["softcap", "sinks", "alibi"])
+def test_the_tiny_problem_exercises_the_variants_score_features(fresh, feature):
+    """A softcap, sinks or ALiBi variant is checked with that feature switched on (and verdicts are keyed by it):
+    a kernel that ignores it fails, one that applies it passes."""
+    import dataclasses
+
+    from attnforge.dispatch.device import detect
+    from attnforge.dispatch.problem import Problem
+
+    plain = Problem(1, 2, 1, 133, 161, 64, 64, "fp32", detect(torch.device("cpu")), mask=CAUSAL)
+    problem = dataclasses.replace(plain, **{feature: True})
+    backend = _FeatureBackend()
+    assert selfcheck.key_of(backend, TorchVariant("x"), problem) != selfcheck.key_of(backend, TorchVariant("x"), plain)
+    assert selfcheck.reasons(backend, TorchVariant("x"), problem) == ()
+    selfcheck.clear()
+    backend.drops = {"alibi": "alibi_slopes"}.get(feature, feature)
+    (reason,) = selfcheck.reasons(backend, TorchVariant("y"), problem)
+    assert reason.startswith("self-check failed: max error"), reason
