@@ -211,7 +211,7 @@ def math_probabilities(q, k, *, causal: bool = False, scale: float | None = None
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     s = capped((q @ k.transpose(-1, -2)) * scale, softcap)
     if alibi_slopes is not None:  # (batch or 1, heads_q) slopes; the bias is (batch, heads_q, rows, keys)
-        slopes = alibi_slopes.expand(q.shape[0], q.shape[1]) if alibi_slopes.dim() == 2 else alibi_slopes.expand(q.shape[0], -1)
+        slopes = alibi_slopes.expand(q.shape[0], q.shape[1])
         s = s + alibi_bias(slopes, 0, seqlen_k, seqlen_q, seqlen_k, q.shape[1], s.dtype).flatten(1, 2)
     if mask.by_rule:
         s = _mask_tile(s, 0, seqlen_q, seqlen_k, mask)

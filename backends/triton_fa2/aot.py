@@ -39,14 +39,13 @@ def builds(variant, path) -> list[KernelBuild]:
         fn = kernel_function(str(path), kernel)
         sig, aligned = signature(fn, variant.dtype)
         names = dict(sig)
-        local, softcap = getattr(variant, "local", False), getattr(variant, "softcap", False)
-        sinks, alibi = getattr(variant, "sinks", False), getattr(variant, "alibi", False)
-        # as launch() passes them: a LOCAL kernel takes its window as arguments, with CAUSAL off (folded into it)
-        causal = variant.causal and not local if "CAUSAL" in names else False  # preprocess has no causal variant
-        constexprs = ((("HEAD_DIM", pad), ("D", variant.head_dim)) + ((("CAUSAL", causal),) if "CAUSAL" in names else ())
-                      + ((("LOCAL", local),) if "LOCAL" in names else ()) + ((("SOFTCAP", softcap),) if "SOFTCAP" in names else ())
-                      + ((("HAS_SINKS", sinks),) if "HAS_SINKS" in names else ())
-                      + ((("ALIBI", alibi),) if "ALIBI" in names else ()))
+        # the feature flags as launch() passes them, in its order, where the kernel has them (preprocess has none);
+        # a LOCAL kernel takes its window as arguments, with CAUSAL off (folded into it)
+        flags = {"CAUSAL": variant.causal and not variant.local, "LOCAL": variant.local, "SOFTCAP": variant.softcap,
+                 "HAS_SINKS": variant.sinks, "ALIBI": variant.alibi}
+        flags = {name: on for name, on in flags.items() if name in names}
+        causal = flags.get("CAUSAL", False)
+        constexprs = (("HEAD_DIM", pad), ("D", variant.head_dim)) + tuple(flags.items())
         out.append(KernelBuild(str(path), tile.module, kernel, variant.arch, variant.dtype, variant.head_dim, causal,
                                tile.num_warps, tile.num_stages, sig, constexprs, aligned, options))
     return out

@@ -38,12 +38,6 @@ def _window(variant, call) -> tuple[int, int] | None:
     return call.mask.window_bounds if variant.local else None
 
 
-def _slopes(call):
-    """The call's ALiBi slopes as the kernels read them: (batch, heads_q) fp32, heads contiguous; or None."""
-    s = call.alibi_slopes
-    return None if s is None else s.to(torch.float32)
-
-
 @dataclasses.dataclass(frozen=True)
 class TritonVariant(Variant):
     """One generated Triton module (a forward or a backward tile) for an arch, head dim, dtype and causality.
@@ -175,7 +169,7 @@ class TritonFA2Backend(Backend):
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         sinks = None if call.sinks is None else call.sinks.to(torch.float32).contiguous()
         variant.module.launch(q, k, v, out, lse, causal=variant.causal, scale=call.scale, window=_window(variant, call),
-                              softcap=call.softcap, sinks=sinks, alibi_slopes=_slopes(call))
+                              softcap=call.softcap, sinks=sinks, alibi_slopes=call.alibi_slopes)
         return out, lse
 
     def backward(self, variant: TritonVariant, call, out, lse, dout, dlse=None):
@@ -183,5 +177,5 @@ class TritonFA2Backend(Backend):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dlse = None if dlse is None else dlse.to(torch.float32)
         variant.module.launch(q, k, v, out, lse, dout, dq, dk, dv, causal=variant.causal, scale=call.scale, dlse=dlse,
-                              window=_window(variant, call), softcap=call.softcap, alibi_slopes=_slopes(call))
+                              window=_window(variant, call), softcap=call.softcap, alibi_slopes=call.alibi_slopes)
         return dq, dk, dv
