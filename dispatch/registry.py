@@ -63,6 +63,11 @@ class Backend:
         ``problem`` (a measured speed difference); forcing this backend ignores them."""
         return []
 
+    def passed_over_backward(self, problem: Problem) -> list[str]:
+        """Reasons the automatic choice should take a later backend's backward although this one can run
+        ``problem``'s (a measured speed difference); forcing this backend ignores them."""
+        return []
+
     def available(self) -> list[str]:
         """Reasons this backend cannot run in this process at all (a missing package, say)."""
         return []

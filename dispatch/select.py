@@ -112,7 +112,7 @@ def _rank(names, verdict_of) -> tuple[str | None, object, tuple[Candidate, ...]]
 FP8_BACKWARD_DTYPE = "bf16"
 
 
-def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...]) -> Choice:
+def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...], forced: str | None = None) -> Choice:
     if fwd.autograd_native:
         return Choice(fwd.name, None, (Candidate(fwd.name, CHOSEN),), note="torch autograd through its forward")
     fp8 = problem.dtype == "fp8"
@@ -123,7 +123,12 @@ def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...]) -
         if b.autograd_native:
             return None, ["its backward is torch autograd through its own forward; it cannot follow another forward"]
         missing = b.available()
-        return (None, missing) if missing else b.plan_backward(problem)
+        if missing:
+            return None, missing
+        variant, reasons = b.plan_backward(problem)
+        if not reasons and b.name != forced:
+            reasons = b.passed_over_backward(problem)
+        return (None, reasons) if reasons else (variant, reasons)
 
     name, variant, candidates = _rank(order, verdict)
     note = (f"in {FP8_BACKWARD_DTYPE} on the dequantised fp8 inputs: there is no FP8 backward" if fp8 and name else "")
@@ -173,7 +178,7 @@ def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> De
         if not reasons and not forced:
             reasons = b.passed_over(problem)
         if not reasons and problem.needs_grad:
-            bwd = _backward(problem, b, bwd_order)
+            bwd = _backward(problem, b, bwd_order, forced)
             if bwd.backend is None:
                 reasons = ["no backend can run the backward after its forward (see the backward candidates)"]
         verdicts[name] = (variant, list(reasons), bwd)

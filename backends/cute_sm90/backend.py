@@ -2,8 +2,9 @@
 
 Kernels are rendered from templates/cute_sm90_fwd.py.jinja into the cache, one module per tile of
 variants.py; runtime/cute.py compiles them (once per machine, cached on disk) and calls them through TVM
-FFI. Forward only: the backward is triton_fa2's, from this forward's output and LSE, and the Decision
-shows that choice.
+FFI. The backward (templates/cute_sm90_bwd.py.jinja, tiles in bwd_variants.py, host side in backward.py)
+serves 16-bit head dims 64 and 128; the others go to the next backend's backward, and the Decision shows
+that choice.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from ...dispatch.support import Support
 from ..shared.cute_host import LOG2_E, CuteVariant, lse_like, stack_missing, tma_ready
 from ..shared.inputs import TINY_SCALE, nonnegative_scale
 from . import compile as cc
-from . import tail_split, variants
+from . import backward as bwd
+from . import bwd_variants, tail_split, variants
 from .v_layout import aot_build, prepare_v_fp8
 
 
@@ -99,14 +101,14 @@ def score_descale(descale: torch.Tensor, scale_log2: float) -> tuple[torch.Tenso
 
 class CuteSm90Backend(Backend):
     name = "cute_sm90"
-    summary = "FA3-style TMA + WGMMA forward in the CuTe DSL (templates/cute_sm90_fwd.py.jinja)"
+    summary = ("FA3-style TMA + WGMMA forward and backward in the CuTe DSL (templates/cute_sm90_fwd.py.jinja, "
+               "cute_sm90_bwd.py.jinja)")
     support = Support(
         vendors=frozenset({"nvidia"}),
         archs=frozenset({"sm90"}),
         dtypes=frozenset(cc.DTYPES),  # fp8 = e4m3 in (with descales), bf16 out
         max_head_dim=max(variants.HEAD_DIMS),
         dropout=False,  # no Philox mask in the kernel; sdpa serves dropout
-        backward=False,  # triton_fa2's backward runs from this forward's LSE
         empty=False,  # zero-sized grids; reference serves empty problems
     )
 
@@ -123,6 +125,21 @@ class CuteSm90Backend(Backend):
         if reasons:
             return None, reasons
         return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal), []
+
+    def _plan_backward(self, problem: Problem) -> Planned:
+        reasons = []
+        if problem.head_dim_v != problem.head_dim:
+            reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
+        if cc.KIND[problem.dtype] != "16bit":
+            reasons.append(f"the backward takes fp16 or bf16, not {problem.dtype}")
+        tile, why = bwd_variants.pick(problem.head_dim)
+        reasons += why
+        if reasons:
+            return None, reasons
+        return bwd.Sm90BwdVariant(tile, problem.head_dim, problem.dtype, problem.causal), []
+
+    def passed_over_backward(self, problem: Problem) -> list[str]:
+        return [] if bwd_variants.AUTO_DISPATCH else [bwd_variants.NOT_AUTO_BECAUSE]
 
     def passed_over(self, problem: Problem) -> list[str]:
         lo, hi, measured = variants.TRITON_FASTER.get((cc.KIND[problem.dtype], problem.head_dim), (0, 0, ""))
@@ -150,6 +167,9 @@ class CuteSm90Backend(Backend):
                         raise ValueError("cute_sm90: " + "; ".join(why))  # the reason already says "head_dim N"
                     continue
                 out += [Sm90Variant(tile, cc.KIND[dtype], head_dim, dtype, flag) for flag in causal]
+                back, _ = bwd_variants.pick(head_dim) if cc.KIND[dtype] == "16bit" else (None, ())
+                if back is not None:
+                    out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag) for flag in causal]
         return out
 
     def builds(self, variant: Sm90Variant) -> list:
@@ -172,3 +192,6 @@ class CuteSm90Backend(Backend):
             out = torch.empty_like(q)  # q's strides when q is dense, else contiguous: TMA-ready either way
             run_kernel(variant.kernel, variant.tile, q, k, tma_ready(call.v), out, lse, scale_log2, causal=variant.causal)
         return out, lse
+
+    def backward(self, variant: bwd.Sm90BwdVariant, call, out, lse, dout, dlse=None):
+        return bwd.run(variant, call.q, call.k, call.v, out, lse, dout, call.scale, dlse)

@@ -18,10 +18,11 @@ LOG2_E = 1.4426950408889634  # the kernels work in exp2: they take scale * log2(
 FACTORY = f"{__name__}:compile_arguments"  # what runtime.cute calls to trace a kernel of these backends
 
 
-def cute_build(source, dtype: str, causal: bool, arch: str, cache_name: str) -> cute.CuteBuild:
+def cute_build(source, dtype: str, causal: bool, arch: str, cache_name: str, factory: str = FACTORY) -> cute.CuteBuild:
     """The runtime.cute.CuteBuild of a generated module (a codegen.Source) for one dtype and causality, compiled
-    for ``arch`` into the cache folder ``cache_name``, traced by this module's compile_arguments."""
-    return cute.CuteBuild(str(generated.path_for(source)), source.name, dtype, causal, arch, cache_name, FACTORY)
+    for ``arch`` into the cache folder ``cache_name``, traced by ``factory`` (default: this module's
+    compile_arguments, for the forward kernels)."""
+    return cute.CuteBuild(str(generated.path_for(source)), source.name, dtype, causal, arch, cache_name, factory)
 
 
 class CuteVariant(Variant):
@@ -31,6 +32,7 @@ class CuteVariant(Variant):
     an attribute lookup (the launch path of every call)."""
 
     compile_module = None
+    factory = FACTORY  # the compile factory runtime.cute traces the kernel with
 
     @property
     def name(self) -> str:
@@ -41,7 +43,8 @@ class CuteVariant(Variant):
 
     @functools.cached_property
     def build(self) -> cute.CuteBuild:
-        return cute_build(self.source, self.dtype, self.causal, self.compile_module.ARCH, self.compile_module.CACHE_NAME)
+        return cute_build(self.source, self.dtype, self.causal, self.compile_module.ARCH, self.compile_module.CACHE_NAME,
+                          self.factory)
 
     @functools.cached_property
     def kernel(self):

@@ -12,3 +12,8 @@ def diagonal(row, seqlen_q, seqlen_k):
     """The last key query ``row`` sees: keys below ``diagonal(end)`` are all that rows below ``end`` need,
     and the key blocks below ``diagonal(first) // block`` need no mask for rows from ``first`` on."""
     return row + seqlen_k - seqlen_q
+
+
+def first_row(key, seqlen_q, seqlen_k):
+    """The first query row that sees ``key`` (the row whose diagonal it is; below 0: every row sees it)."""
+    return key - seqlen_k + seqlen_q

@@ -1,0 +1,106 @@
+"""The cute_sm90 backward table: tile configs per head dim (16-bit inputs) and the ONE validity check that
+plan_backward, codegen and `attnforge build` use.
+
+Where the numbers come from: FlashAttention-3's sm90 backward tiles (hopper/flash_bwd_launch_template.h, as
+FlashAttention-4's flash_attn/cute/interface.py _tile_size_bwd_sm90 restates them): 128 keys per CTA (two
+consumer warpgroups of 64 keys), 128 query rows per step at head dim 64 and 64 at head dim 128, two stages of
+Q and dO, registers 24 (producer) / 240 (consumers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .variants import REGISTERS_PER_SM, SMEM_BYTES
+
+HEAD_DIMS = (64, 128)
+# Whether automatic dispatch takes this backward (a forced cute_sm90 always runs it), and the measurement that
+# keeps it out: the Decision quotes it.
+AUTO_DISPATCH = False
+NOT_AUTO_BECAUSE = ("its backward measured slower than cuDNN's SDPA forward+backward (H200, bf16, d=128, N=16k, "
+                    "forward+backward 473 vs 558 TFLOP/s, FlashAttention-4 627; benchmarks/results/"
+                    "2026-12-01-h200-cute_sm90-backward/); backend='cute_sm90' runs it")
+# Per consumer thread beyond the accumulators and P: addresses, loop state, the LSE and delta of its columns.
+# A rough figure: ptxas decides, and the compile test fails on a spill the table does not accept.
+REGISTER_OVERHEAD = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90BwdTile:
+    """One backward kernel configuration: tile_m query rows per step, tile_n keys per CTA (64 per consumer
+    warpgroup)."""
+
+    tile_m: int
+    tile_n: int = 128
+    q_stages: int = 2
+    producer_registers: int = 24
+    consumer_registers: int = 240
+    accepted_spill_bytes: int = 0
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        return self.tile_n // 64
+
+    def module(self, head_dim: int) -> str:
+        return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}"
+
+    def params(self, head_dim: int) -> dict:
+        return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": head_dim}
+
+    def smem_bytes(self, head_dim: int) -> int:
+        kv = 2 * self.tile_n * head_dim * 2  # K and V
+        q_do = 2 * self.q_stages * self.tile_m * head_dim * 2  # Q and dO stages
+        ds = 2 * self.tile_m * self.tile_n * 2  # two dS stages
+        dq = self.tile_m * head_dim * 4  # the fp32 dQ staging buffers of both warpgroups
+        rows = 2 * self.q_stages * self.tile_m * 4  # LSE and delta
+        return kv + q_do + ds + dq + rows + 8 * (2 + 4 * self.q_stages) + 7 * 1024  # mbarriers, alignment
+
+    def registers_needed(self, head_dim: int) -> int:
+        """Per consumer thread at the busiest point: dK and dV (64 x head_dim fp32 each), S^T and dP^T
+        (64 x tile_m fp32 each) and P^T (16-bit, two per register), over a warpgroup's 128 threads."""
+        return (2 * 64 * head_dim + 2 * 64 * self.tile_m + 64 * self.tile_m // 2) // 128 + REGISTER_OVERHEAD
+
+    def describe(self) -> str:
+        return f"{self.tile_m}x{self.tile_n} s{self.q_stages} {self.consumer_warpgroups} consumer warpgroups"
+
+
+def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
+    """The one validity check: reasons ``tile`` cannot serve ``head_dim`` (empty: it can)."""
+    reasons = []
+    if head_dim not in HEAD_DIMS:
+        reasons.append(f"head_dim {head_dim} has no cute_sm90 backward (has {', '.join(map(str, HEAD_DIMS))})")
+    if tile.tile_n != 128:
+        reasons.append(f"tile_n {tile.tile_n} != 128 (two consumer warpgroups of 64 keys)")
+    if tile.tile_m not in (64, 128):
+        reasons.append(f"tile_m {tile.tile_m} is not 64 or 128 (dQ splits by 64-row warpgroups or by columns)")
+    if tile.tile_m == 64 and head_dim // tile.consumer_warpgroups not in (64, 128):
+        reasons.append(f"tile_m 64 splits dQ's {head_dim} columns into {head_dim // tile.consumer_warpgroups}, "
+                       "not a 128-byte swizzle width")
+    if tile.smem_bytes(head_dim) > SMEM_BYTES:
+        reasons.append(f"shared memory {tile.smem_bytes(head_dim)} B > {SMEM_BYTES} B")
+    if tile.registers_needed(head_dim) > tile.consumer_registers:
+        reasons.append(f"needs ~{tile.registers_needed(head_dim)} registers per consumer thread > "
+                       f"{tile.consumer_registers}")
+    if 128 * (tile.producer_registers + tile.consumer_warpgroups * tile.consumer_registers) > REGISTERS_PER_SM:
+        reasons.append("producer + consumer registers exceed 64K per CTA")
+    return reasons
+
+
+BWD: dict[int, list[Sm90BwdTile]] = {
+    64: [Sm90BwdTile(128)],
+    128: [Sm90BwdTile(64)],
+}
+
+
+def pick(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
+    """The backward tile for a 16-bit ``head_dim``: the first in the table that passes check(), or the reasons."""
+    candidates = BWD.get(head_dim)
+    if not candidates:
+        return None, [f"head_dim {head_dim} has no cute_sm90 backward (has {', '.join(map(str, HEAD_DIMS))})"]
+    reasons = []
+    for tile in candidates:
+        why = check(tile, head_dim)
+        if not why:
+            return tile, []
+        reasons += why
+    return None, reasons

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The cute_sm90 backward on the lent H200. Steps (STEPS, default "tests bench"):
+#   tests  the backward's GPU tests against fp64 (tests/backends/cute_sm90/test_gpu_backward.py; TESTS_K filters);
+#   bench  forward+backward at d=64/128 (BENCH_DIMS), N=1k/4k/16k, 16k tokens, against cuDNN and FA4 (`attnforge
+#          bench --mode fwd+bwd`: FLOPs 3.5x the forward's 4 N^2 d per head, halved causal);
+#   gqa    a Llama-style GQA 32/8 causal training shape (d=128, N=8k, batch 2) against cuDNN and FA4.
+#   bash benchmarks/run_backward.sh OUTDIR
+set -uo pipefail
+out=${1:?usage: bash benchmarks/run_backward.sh OUTDIR}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+[ -f .gpu/setup.sh ] && source .gpu/setup.sh >"$out/setup.log" 2>&1
+if ! python3 -c "import attnforge" 2>/dev/null; then
+  mkdir -p /tmp/attnforge-src && ln -sfn "$PWD" /tmp/attnforge-src/attnforge
+  export PYTHONPATH=/tmp/attnforge-src${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version --format=csv | tee -a "$out/log.txt"
+for step in ${STEPS:-tests bench}; do
+  echo "=== $step" | tee -a "$out/log.txt"
+  case $step in
+    tests) timeout "${TEST_S:-300}" python3 -m pytest tests/backends/cute_sm90/test_gpu_backward.py -q -p no:cacheprovider \
+             -rf -x ${TESTS_K:+-k "$TESTS_K"} > "$out/tests.txt" 2>&1
+           grep -E "^(FAILED|ERROR|E  )|passed|failed" "$out/tests.txt" | tail -n 30 | tee -a "$out/log.txt" ;;
+    bench) timeout "${BENCH_S:-240}" python3 -m attnforge bench --dtype bf16 --mode fwd+bwd --head-dim "${BENCH_DIMS:-64,128}" \
+             --seqlen "${BENCH_SEQLEN:-1024,4096,16384}" --backends cute_sm90,sdpa-cudnn,fa4 --baseline fa4 \
+             --out "$out/bench.json" 2>&1 | grep -v Warning | tee "$out/bench.txt" | tail -n 40 ;;
+    gqa) timeout "${GQA_S:-120}" python3 -m attnforge bench --dtype bf16 --mode fwd+bwd --head-dim 128 --seqlen 8192 \
+             --tokens 16384 --heads 32 --kv-heads 8 --causal true --backends auto,cute_sm90,sdpa-cudnn,fa4 --baseline fa4 \
+             --out "$out/gqa.json" 2>&1 | grep -v Warning | tee "$out/gqa.txt" | tail -n 20 ;;
+  esac
+done
