@@ -14,12 +14,15 @@ import dataclasses
 from .variants import REGISTERS_PER_SM, SMEM_BYTES
 
 HEAD_DIMS = (64, 128)
-# Whether automatic dispatch takes this backward (a forced cute_sm90 always runs it), and the measurement that
-# keeps it out: the Decision quotes it.
+# Whether automatic dispatch takes this backward (a forced cute_sm90 always runs it), and why not: the Decision
+# quotes it. Automatic dispatch ranks training plans by the measured cost table (dispatch/costs/sm90.json), which
+# has no cute_sm90+cute_sm90 entries yet, and the plan it would displace there (cuDNN's SDPA forward+backward)
+# measured faster; `attnforge tune --costs` on an H100/H200 measures the pairing (it forces each backend).
 AUTO_DISPATCH = False
-NOT_AUTO_BECAUSE = ("its backward measured slower than cuDNN's SDPA forward+backward (H200, bf16, d=128, N=16k, "
-                    "forward+backward 473 vs 558 TFLOP/s, FlashAttention-4 627; benchmarks/results/"
-                    "2026-12-01-h200-cute_sm90-backward/); backend='cute_sm90' runs it")
+NOT_AUTO_BECAUSE = ("its backward is not in the sm90 cost table yet, and measured slower than cuDNN's SDPA "
+                    "forward+backward though 1.13-1.18x triton_fa2's after this forward (H200, bf16, N=16k, "
+                    "forward+backward TFLOP/s full/causal: d=128 534/516 vs cuDNN 563/542, d=64 440/419 vs 442/435; "
+                    "benchmarks/results/2026-12-01-h200-cute_sm90-backward/); backend='cute_sm90' runs it")
 # Per consumer thread beyond the accumulators and P: addresses, loop state, the LSE and delta of its columns.
 # A rough figure: ptxas decides, and the compile test fails on a spill the table does not accept.
 REGISTER_OVERHEAD = 16
