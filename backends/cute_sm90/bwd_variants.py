@@ -39,6 +39,9 @@ class Sm90BwdTile:
     producer_registers: int = 24
     consumer_registers: int = 240
     accepted_spill_bytes: int = 0
+    # ptxas serializes the WGMMAs (a wait after each) where it cannot keep their registers in flight; the compile
+    # test fails on that unless the table accepts it here, with the measurement that kept the tile
+    accepts_serialized_wgmma: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -89,9 +92,15 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
     return reasons
 
 
+# Register spill accepted (ptxas stack bytes, full/causal), with the speeds of benchmarks/results/
+# 2026-12-01-h200-cute_sm90-backward/stmatrix/: d=128 16/16 (two values kept across the loop), d=64 72/88 (P^T's
+# register A operand is partly reloaded around dV's WGMMA: 64 x 128 scores per warpgroup at 240 registers). At
+# d=64 ptxas also serializes the WGMMAs; the kernel still measured 440/419 TFLOP/s forward+backward at N=16k, as
+# fast as cuDNN's 442/435 and 1.14-1.18x triton_fa2's backward. A 64-row query block would free the registers,
+# but then dQ's 32 columns per warpgroup are below a 128-byte swizzle (check()).
 BWD: dict[int, list[Sm90BwdTile]] = {
-    64: [Sm90BwdTile(128)],
-    128: [Sm90BwdTile(64)],
+    64: [Sm90BwdTile(128, accepted_spill_bytes=88, accepts_serialized_wgmma=True)],
+    128: [Sm90BwdTile(64, accepted_spill_bytes=16)],
 }
 
 

@@ -1,5 +1,5 @@
-"""`attnforge build --target sm90` compiles the cute_sm90 kernels ahead of time with no GPU, into the
-cache cute_sm90 loads from at run time; a later process finds them there and compiles nothing."""
+"""`attnforge build --target sm90` compiles the cute_sm90 kernels (forward and backward) ahead of time with no
+GPU, into the cache cute_sm90 loads from at run time; a later process finds them there and compiles nothing."""
 
 import importlib.util
 import os
@@ -8,17 +8,18 @@ import sys
 
 import pytest
 
-from attnforge.backends.cute_sm90 import variants
+from attnforge.backends.cute_sm90 import bwd_variants, variants
 from attnforge.testing import needs_gpu
 
 D64_BF16 = variants.pick("16bit", 64)[0].module(64, "16bit")  # the table's pick, as the build names it
+BWD_D64 = bwd_variants.pick(64)[0].module(64)  # and its backward
 
 # find_spec, not importorskip: importing cutlass here would fix its target arch for the whole session
 needs_cute = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
 
-# The variant a bf16 d=64 causal call runs, as the backend plans it; compiling is refused, so the kernel
-# can only come from the cache `attnforge build` filled.
+# The variants a bf16 d=64 causal training call runs (forward and backward), as the backend plans them; compiling
+# is refused, so the kernels can only come from the cache `attnforge build` filled.
 REFUSE = """
 from attnforge.runtime import cute
 def refuse(*a, **k):
@@ -27,11 +28,10 @@ cute.compile_kernel = cute._in_child = refuse
 """
 LOAD = REFUSE + """
 from attnforge.dispatch import registered
-(variant,) = registered()["cute_sm90"].variants(dtypes=("bf16",), head_dims=(64,), causal=(True,), strict=True)
-assert variant.module == %r, variant.module
-fn = variant.kernel
-print("loaded", type(fn).__name__)
-""" % D64_BF16
+fwd, bwd = registered()["cute_sm90"].variants(dtypes=("bf16",), head_dims=(64,), causal=(True,), strict=True)
+assert (fwd.module, bwd.module) == %r, (fwd.module, bwd.module)
+print("loaded", type(fwd.kernel).__name__, type(bwd.kernel).__name__)
+""" % ((D64_BF16, BWD_D64),)
 
 
 def test_build_lists_both_sm90_backends(capsys):
@@ -41,7 +41,8 @@ def test_build_lists_both_sm90_backends(capsys):
     out = capsys.readouterr().out
     assert f"cute_sm90 {D64_BF16}.bf16.causal" in out
     assert f"cute_sm90 {variants.pick('fp8', 64)[0].module(64, 'fp8')}.fp8.full" in out
-    assert "dkdv_kernel.sm90.bf16.d64.causal" in out  # triton_fa2's backward, which cute_sm90 relies on
+    assert f"cute_sm90 {BWD_D64}.bf16.causal" in out  # its backward
+    assert "dkdv_kernel.sm90.bf16.d64.causal" in out  # triton_fa2's backward, for what cute_sm90's does not serve
     assert main(["build", "--target", "sm89", "--backend", "cute_sm90", "--list"]) == 0
     assert capsys.readouterr().out.strip() == "0 kernels"
 
@@ -69,12 +70,12 @@ def test_prebuilt_kernel_is_loaded_not_compiled(tmp_path):
                             "--dtype", "bf16", "--head-dim", "64", "--causal", "true"],
                            env=env, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
-    assert "1 kernels in" in built.stdout and "built in" in built.stderr
-    (obj,) = (tmp_path / "cute_sm90").glob("*.o")
-    assert obj.stat().st_mode & 0o044  # readable by the deployment's users
+    assert "2 kernels in" in built.stdout and "built in" in built.stderr
+    objects = list((tmp_path / "cute_sm90").glob("*.o"))
+    assert len(objects) == 2 and all(obj.stat().st_mode & 0o044 for obj in objects)  # readable by its users
     loaded = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
-    assert "loaded Function" in loaded.stdout
+    assert "loaded Function Function" in loaded.stdout
 
 
 @needs_cute

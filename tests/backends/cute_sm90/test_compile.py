@@ -1,6 +1,7 @@
 """Every variant the table can pick compiles for sm_90a on this machine (no GPU needed), and the SASS
 uses what Hopper offers: HGMMA (WGMMA), UTMALDG (TMA loads), UTMASTG (TMA stores, where the table asks),
-USETMAXREG (register reallocation between producer and consumer warpgroups), with no register spills."""
+USETMAXREG (register reallocation between producer and consumer warpgroups), with no register spills beyond those
+the table accepts. The backward variants too: their five GEMMs' shapes, UTMAREDG (dQ's TMA reduce-add), STSM."""
 
 import collections
 import dataclasses
@@ -9,9 +10,11 @@ import re
 
 import pytest
 
+from attnforge.backends.cute_sm90 import bwd_variants
 from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90 import variants
 from attnforge.backends.cute_sm90.backend import Sm90Variant
+from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
 from attnforge.dispatch import registered
 from attnforge.runtime import cute
 from attnforge.runtime.triton_aot import cuobjdump, resources
@@ -21,7 +24,9 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
 
 
-VARIANTS = registered()["cute_sm90"].variants()  # every variant the planner can pick: what `attnforge build` compiles
+ALL = registered()["cute_sm90"].variants()  # every variant the planner can pick: what `attnforge build` compiles
+VARIANTS = [v for v in ALL if isinstance(v, Sm90Variant)]
+BWD_VARIANTS = [v for v in ALL if isinstance(v, Sm90BwdVariant)]
 
 
 def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
@@ -29,6 +34,10 @@ def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
         Sm90Variant(tile, kind, head_dim, dtype, causal).name for kind, head_dim, tile in variants.picks()
         for dtype in cc.DTYPES if cc.KIND[dtype] == kind for causal in (False, True))
     assert all(v.build.arch == cc.ARCH == "sm_90a" and v.build.module == v.module for v in VARIANTS)
+    assert sorted(v.name for v in BWD_VARIANTS) == sorted(
+        Sm90BwdVariant(bwd_variants.pick(d)[0], d, dtype, causal).name for d in bwd_variants.HEAD_DIMS
+        for dtype in ("fp16", "bf16") for causal in (False, True))
+    assert len(ALL) == len(VARIANTS) + len(BWD_VARIANTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
@@ -74,3 +83,25 @@ def test_disk_cache_builds_once_and_keys_on_the_variant(tmp_path):
     assert cute.cache_path(dataclasses.replace(build, dtype="fp16"), tmp_path) != path
     other_kind, other_dim, other_tile = variants.picks()[1]  # another tile: another rendered module
     assert cute.cache_path(Sm90Variant(other_tile, other_kind, other_dim, "bf16", False).build, tmp_path) != path
+
+
+@pytest.mark.parametrize("variant", BWD_VARIANTS, ids=[v.name for v in BWD_VARIANTS])
+def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_path, variant):
+    tile, head_dim = variant.tile, variant.head_dim
+    cute.compile_to(variant.build, str(tmp_path))
+    (cubin,) = tmp_path.glob("*.sm_90a.cubin")
+    sass = cuobjdump("-sass", str(cubin))
+    element = r"\.BF16" if variant.dtype == "bf16" else ""  # cuobjdump leaves F16 (the default) unsaid
+    # S^T = K Q^T and dP^T = V dO^T: 64 keys per warpgroup by tile_m queries, both operands from shared memory
+    assert re.search(rf"HGMMA\.64x{tile.tile_m}x16\.F32{element} R\d+, gdesc\[UR\d+\], RZ, !UPT", sass)
+    # dV += P^T dO and dK += dS^T Q: the A operand from registers, dO and Q read transposed
+    assert len(re.findall(rf"HGMMA\.64x{head_dim}x16\.F32{element} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass)) >= 2
+    # dQ = dS K: dS and K both read transposed from shared memory, split across the two warpgroups
+    dq_cols = head_dim if tile.tile_m == 128 else head_dim // 2
+    assert re.search(rf"HGMMA\.64x{dq_cols}x16\.F32{element} R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass)
+    seen = collections.Counter(m.split(".")[0] for m in re.findall(r"\b(?:UTMALDG|UTMAREDG|USETMAXREG|STSM)\.[\w.]+", sass))
+    assert seen["UTMALDG"] and seen["UTMAREDG"] and seen["STSM"] and seen["USETMAXREG"] == 2, seen
+    mmas, waits = len(re.findall(r"\bHGMMA\.", sass)), len(re.findall(r"WARPGROUP\.DEPBAR", sass))
+    assert (waits < mmas / 2) != tile.accepts_serialized_wgmma, f"{waits} waits for {mmas} WGMMAs"  # as the table says
+    usage = resources(cubin.read_bytes())
+    assert usage["stack_bytes"] <= tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage

@@ -4,14 +4,15 @@ import pytest
 import torch
 
 from attnforge import BackendUnavailableError, attention, explain, use_backend
-from attnforge.backends.cute_sm90 import variants
+from attnforge.backends.cute_sm90 import bwd_variants, variants
 from attnforge.backends.cute_sm90.backend import Sm90Variant
+from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
 
 
 @pytest.mark.parametrize("device", ("H100", "H200"))
 @pytest.mark.parametrize("dtype", ("fp16", "bf16"))
 @pytest.mark.parametrize("head_dim", (64, 128, 256, 96))
-def test_hopper_chooses_cute_sm90_and_triton_fa2_runs_the_backward(device, dtype, head_dim):
+def test_hopper_chooses_cute_sm90_and_says_which_backward_follows(device, dtype, head_dim):
     d = explain(device=device, dtype=dtype, head_dim=head_dim, seqlen_q=4096, heads=16, kv_heads=4,
                 causal=True, needs_grad=True)
     assert d.forward.backend == "cute_sm90" and not d.fallback
@@ -19,7 +20,25 @@ def test_hopper_chooses_cute_sm90_and_triton_fa2_runs_the_backward(device, dtype
     assert d.forward.variant == Sm90Variant(tile, "16bit", head_dim, dtype, True)
     assert d.forward.describe() == f"fwd {tile.describe()}"
     assert d.backward.backend == "triton_fa2" and d.backward.variant.family == "bwd"
-    assert d.backward.reasons_of("cute_sm90") == ("has no backward",)
+    if head_dim in bwd_variants.HEAD_DIMS:  # served, but automatic dispatch passes it over, saying why
+        assert d.backward.reasons_of("cute_sm90") == (bwd_variants.NOT_AUTO_BECAUSE,)
+    else:
+        assert d.backward.reasons_of("cute_sm90") == (
+            f"head_dim {head_dim} has no cute_sm90 backward (has {', '.join(map(str, bwd_variants.HEAD_DIMS))})",)
+
+
+@pytest.mark.parametrize("dtype", ("fp16", "bf16", "fp8"))
+@pytest.mark.parametrize("head_dim", bwd_variants.HEAD_DIMS)
+@pytest.mark.parametrize("causal", (False, True))
+def test_forced_cute_sm90_runs_its_own_backward(dtype, head_dim, causal):
+    """Forcing cute_sm90 takes its backward where the table has one; FP8's runs in bf16 on the dequantised inputs."""
+    d = explain(device="H100", dtype=dtype, head_dim=head_dim, seqlen_q=1000, heads=8, kv_heads=2, causal=causal,
+                needs_grad=True, backend="cute_sm90")
+    assert d.backward.backend == "cute_sm90"
+    assert d.backward.variant == Sm90BwdVariant(bwd_variants.pick(head_dim)[0], head_dim,
+                                                "bf16" if dtype == "fp8" else dtype, causal)
+    assert d.backward.describe().startswith(f"bwd {bwd_variants.pick(head_dim)[0].describe()}")
+    assert ("dequantised" in d.backward.note) == (dtype == "fp8")
 
 
 @pytest.mark.parametrize(("kw", "reason"), [

@@ -1,0 +1,68 @@
+"""The host side of cute_sm90's backward, with no GPU: the row statistics its kernel loads, its table's one
+validity check, and what plan_backward says for problems it does not serve."""
+
+import math
+
+import pytest
+import torch
+
+from attnforge.backends.cute_sm90 import bwd_variants
+from attnforge.backends.cute_sm90.backward import row_statistics
+from attnforge import explain
+
+
+def test_row_statistics_are_log2_lse_and_delta_padded_to_whole_blocks(gen):
+    out, dout = (torch.randn(2, 3, 17, 8, generator=gen).to(torch.bfloat16) for _ in range(2))
+    lse = torch.randn(2, 3, 17, generator=gen)
+    lse[0, 1, 4] = -math.inf  # a row that saw no key
+    dlse = torch.randn(2, 3, 17, generator=gen)
+    lse2, delta = row_statistics(out, dout, lse, dlse, tile_m=64)
+    assert lse2.shape == delta.shape == (2, 3, 64) and lse2.dtype == delta.dtype == torch.float32
+    expected = lse * math.log2(math.e)
+    expected[0, 1, 4] = math.inf  # P = exp2(s - inf) = 0 for that row
+    torch.testing.assert_close(lse2[..., :17], expected)
+    torch.testing.assert_close(delta[..., :17], (dout.double() * out.double()).sum(-1).float() - dlse)
+    assert (lse2[..., 17:] == math.inf).all() and (delta[..., 17:] == 0).all()  # padding rows: P 0, no delta
+
+
+def test_row_statistics_keep_nan():
+    out = torch.full((1, 1, 3, 8), float("nan"), dtype=torch.float16)
+    lse2, delta = row_statistics(out, torch.ones_like(out), torch.zeros(1, 1, 3), None, tile_m=128)
+    assert delta[..., :3].isnan().all() and lse2.shape == (1, 1, 128)
+
+
+def test_the_table_passes_its_own_check():
+    for head_dim, tiles in bwd_variants.BWD.items():
+        assert bwd_variants.check(tiles[0], head_dim) == []
+        assert bwd_variants.pick(head_dim) == (tiles[0], [])
+
+
+@pytest.mark.parametrize(("tile", "head_dim", "reason"), [
+    (bwd_variants.Sm90BwdTile(64), 96, "head_dim 96 has no cute_sm90 backward"),
+    (bwd_variants.Sm90BwdTile(64, tile_n=64), 128, "tile_n 64 != 128"),
+    (bwd_variants.Sm90BwdTile(96), 128, "tile_m 96 is not 64 or 128"),
+    (bwd_variants.Sm90BwdTile(64), 64, "splits dQ's 64 columns into 32"),
+    (bwd_variants.Sm90BwdTile(128, q_stages=3), 128, "shared memory"),
+    (bwd_variants.Sm90BwdTile(128), 128, "registers per consumer thread"),
+])
+def test_check_names_what_does_not_fit(tile, head_dim, reason):
+    assert any(reason in r for r in bwd_variants.check(tile, head_dim)), bwd_variants.check(tile, head_dim)
+
+
+@pytest.mark.parametrize(("kw", "reason"), [
+    (dict(head_dim=96), "head_dim 96 has no cute_sm90 backward (has 64, 128)"),
+    (dict(head_dim=256), "head_dim 256 has no cute_sm90 backward (has 64, 128)"),
+    (dict(head_dim=80), "head_dim 80 has no cute_sm90 backward (has 64, 128)"),
+])
+def test_a_forced_backend_says_why_its_backward_cannot_serve(kw, reason):
+    """Forcing cute_sm90 for training where its backward does not serve: the next backward runs, and says why."""
+    d = explain(device="H100", dtype="bf16", seqlen_q=512, needs_grad=True, backend="cute_sm90", **kw)
+    assert d.forward.backend == "cute_sm90" and d.backward.backend not in (None, "cute_sm90")
+    assert reason in d.backward.reasons_of("cute_sm90")
+
+
+def test_a_forced_training_call_shows_its_backward_in_the_decision():
+    d = explain(device="H200", dtype="bf16", head_dim=128, seqlen_q=2048, heads=8, needs_grad=True,
+                backend="cute_sm90")
+    assert d.backward.backend == "cute_sm90" and not d.fallback
+    assert "bwd 64x128" in str(d)
