@@ -5,6 +5,21 @@ fields that name one compiled kernel (tile, flags, dtype, head dim, causality)."
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Iterable, TypeVar
+
+Tile = TypeVar("Tile")
+
+
+def first_that_fits(candidates: Iterable[Tile], check: Callable[[Tile], list[str]]) -> tuple[Tile | None, list[str]]:
+    """The first of a variant table's candidate tiles that ``check`` (its one validity check) passes, or None and
+    every candidate's reasons."""
+    reasons = []
+    for tile in candidates:
+        why = check(tile)
+        if not why:
+            return tile, []
+        reasons += why
+    return None, reasons
 
 
 @dataclasses.dataclass(frozen=True)

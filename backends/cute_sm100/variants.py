@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ...dispatch.variant import first_that_fits
+
 HEAD_DIMS = (64, 128)
 SMEM_BYTES = 232448  # 227 KiB per block, as sm90
 TMEM_COLUMNS = 512
@@ -77,13 +79,7 @@ def pick(head_dim: int) -> tuple[Sm100FwdTile | None, list[str]]:
     candidates = FWD.get(head_dim)
     if not candidates:
         return None, [f"head_dim {head_dim} has no cute_sm100 kernel (has {', '.join(map(str, HEAD_DIMS))})"]
-    reasons = []
-    for tile in candidates:
-        why = check(tile, head_dim)
-        if not why:
-            return tile, []
-        reasons += why
-    return None, reasons
+    return first_that_fits(candidates, lambda tile: check(tile, head_dim))
 
 
 def picks() -> list[tuple[int, Sm100FwdTile]]:

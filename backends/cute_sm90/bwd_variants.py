@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ...dispatch.variant import first_that_fits
 from .variants import REGISTERS_PER_SM, SMEM_BYTES
 
 HEAD_DIMS = (64, 128)
@@ -109,10 +110,4 @@ def pick(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
     candidates = BWD.get(head_dim)
     if not candidates:
         return None, [f"head_dim {head_dim} has no cute_sm90 backward (has {', '.join(map(str, HEAD_DIMS))})"]
-    reasons = []
-    for tile in candidates:
-        why = check(tile, head_dim)
-        if not why:
-            return tile, []
-        reasons += why
-    return None, reasons
+    return first_that_fits(candidates, lambda tile: check(tile, head_dim))

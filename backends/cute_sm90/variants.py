@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ...dispatch.variant import first_that_fits
+
 # FlashAttention's sm90 head dims: every multiple of 8 up to 256 (16-bit). FP8 keeps the three it was tuned at.
 HEAD_DIMS_OF = {"16bit": tuple(range(8, 257, 8)), "fp8": (64, 128, 256)}
 HEAD_DIMS = HEAD_DIMS_OF["16bit"]
@@ -274,13 +276,7 @@ def pick(kind: str, head_dim: int) -> tuple[Sm90FwdTile | None, list[str]]:
         (tiles for bound, tiles in FWD_RANGES.get(kind, ()) if head_dim <= bound), None)
     if not candidates or head_dim not in HEAD_DIMS_OF.get(kind, ()):
         return None, [f"head_dim {head_dim} has no cute_sm90 kernel for {kind} inputs ({served(kind)})"]
-    reasons = []
-    for tile in candidates:
-        why = check(tile, head_dim, kind)
-        if not why:
-            return tile, []
-        reasons += why
-    return None, reasons
+    return first_that_fits(candidates, lambda tile: check(tile, head_dim, kind))
 
 
 def picks() -> list[tuple[str, int, Sm90FwdTile]]:

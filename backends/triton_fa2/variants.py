@@ -16,6 +16,7 @@ import functools
 import json
 import pathlib
 
+from ...dispatch.variant import first_that_fits
 from ...runtime.cache import default_cache_dir
 
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
@@ -241,13 +242,7 @@ def pick(table: dict, arch: str, head_dim: int, tuned: bool = True,
     candidates = table[arch].get(head_dim)
     if not candidates:
         return None, [f"head_dim {head_dim} has no {backend} variant (has {', '.join(map(str, HEAD_DIMS))})"]
-    reasons = []
-    for tile in candidates:
-        why = check(tile, arch, head_dim)
-        if not why:
-            return tile, []
-        reasons += why
-    return None, reasons
+    return first_that_fits(candidates, lambda tile: check(tile, arch, head_dim))
 
 
 def tiles_of(table: dict) -> list:
