@@ -128,6 +128,8 @@ def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...], f
         variant, reasons = b.plan_backward(problem)
         if not reasons and b.name != forced:
             reasons = b.passed_over_backward(problem)
+        if not reasons:  # on this machine's device, a backward variant's first use runs its self-check too
+            reasons = list(selfcheck.reasons(b, variant, problem, backward=True))
         return (None, reasons) if reasons else (variant, reasons)
 
     name, variant, candidates = _rank(order, verdict)

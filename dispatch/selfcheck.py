@@ -1,6 +1,7 @@
 """Self-check on first use: before a (backend, variant, device) first serves a call in a process, it
 runs a tiny problem of the same variant (dtype, head dims, causality, GQA, odd lengths) against fp64
-math on the same device. A variant that disagrees beyond tolerance (or gives NaN) is disabled: the
+math on the same device: a forward variant its output, a backward variant its dQ, dK and dV from fp64's
+output and LSE. A variant that disagrees beyond tolerance (or gives NaN) is disabled: the
 Decision lists it as rejected with "self-check failed: ...", the fallback is logged, and the call goes
 to the next backend. A tiny problem that raises (out of memory, a broken compiler cache, a bad
 environment) disables the variant in this process only ("self-check could not run: ..."): nothing is
@@ -52,9 +53,9 @@ def enabled() -> bool:
     return os.environ.get(ENV_VAR, "1").strip().lower() not in OFF
 
 
-def key_of(backend, variant, problem: Problem) -> str:
+def key_of(backend, variant, problem: Problem, backward: bool = False) -> str:
     d = problem.device
-    return (f"{backend.name}|{variant.name if variant is not None else ''}|{problem.dtype}|"
+    return (f"{'bwd:' if backward else ''}{backend.name}|{variant.name if variant is not None else ''}|{problem.dtype}|"
             f"d{problem.head_dim}/{problem.head_dim_v}|{problem.mask.describe() or 'full'}"
             f"{''.join('|' + f for f in problem.score_features)}|{d.name}|{d.arch}")
 
@@ -106,13 +107,13 @@ def _write(path, key: str, reasons: tuple[str, ...], seconds: float) -> None:
         pass  # a read-only cache only costs the next process a check
 
 
-def reasons(backend, variant, problem: Problem) -> tuple[str, ...]:
-    """Why ``backend`` must not serve ``problem`` with ``variant`` on this machine after its self-check
-    (empty: fine). Runs the check the first time a key is seen (in this process and, via the disk, on
-    this machine)."""
+def reasons(backend, variant, problem: Problem, backward: bool = False) -> tuple[str, ...]:
+    """Why ``backend`` must not serve ``problem`` with ``variant`` (with ``backward``, a backward variant) on this
+    machine after its self-check (empty: fine). Runs the check the first time a key is seen (in this process
+    and, via the disk, on this machine)."""
     if not enabled() or backend.name in UNCHECKED or not problem.device.present:
         return ()
-    key = key_of(backend, variant, problem)
+    key = key_of(backend, variant, problem, backward)
     if key in _verdicts:
         return _verdicts[key]
     try:
@@ -124,7 +125,7 @@ def reasons(backend, variant, problem: Problem) -> tuple[str, ...]:
         _verdicts[key] = stored
         return stored
     t0 = time.perf_counter()
-    why, lasting = _outcome(backend, variant, problem)
+    why, lasting = _outcome(backend, variant, problem, backward)
     seconds = time.perf_counter() - t0
     costs.append((key, seconds))
     _verdicts[key] = why
@@ -139,14 +140,14 @@ def reasons(backend, variant, problem: Problem) -> tuple[str, ...]:
     return why
 
 
-def _outcome(backend, variant, problem: Problem) -> tuple[tuple[str, ...], bool]:
+def _outcome(backend, variant, problem: Problem, backward: bool = False) -> tuple[tuple[str, ...], bool]:
     """(reasons, lasting): the check's verdict, and whether it says something about the variant (a pass
     or a numerical disagreement, kept on disk) rather than about this process (an exception)."""
     try:
         # whatever default device the caller set, and whatever torch SDPA kernels an enclosing sdpa_kernel()
         # allows: the check judges the variant, not the caller's context
         with torch.device(problem.device.torch_device), _every_sdpa_kernel():
-            return _run(backend, variant, problem), True
+            return (_run_backward if backward else _run)(backend, variant, problem), True
     except Exception as exc:  # noqa: BLE001 - out of memory, a broken cache or toolkit: not the variant's verdict
         return (f"self-check could not run: the tiny problem raised {type(exc).__name__}: {str(exc)[:200]}; "
                 f"disabled in this process only, retried by the next process",), False
@@ -159,12 +160,10 @@ def _every_sdpa_kernel():
                         SDPBackend.CUDNN_ATTENTION])
 
 
-def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
-    """The tiny problem run by ``variant``, on the device, against fp64 math on the same (rounded) inputs.
-    Raises what the variant raises."""
-    from ..backends.reference import math_attention
-    from ..testing import error_and_bound, fp8_peer, rel_error
-
+def _tiny_inputs(problem: Problem):
+    """The tiny problem's (q, k, v, dout, scale, features) on the device, in the problem's dtype: fresh seeded
+    random inputs and the variant's score features, each with values that change the answer (a sink above some
+    rows' scores)."""
     device, dtype = problem.device.torch_device, DTYPES[problem.dtype]
     g = torch.Generator(device="cpu").manual_seed(0)
 
@@ -173,12 +172,22 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
 
     q, k, v = (rand(HEADS_Q, SEQLEN_Q, problem.head_dim), rand(HEADS_KV, SEQLEN_K, problem.head_dim),
                rand(HEADS_KV, SEQLEN_K, problem.head_dim_v))
-    scale = problem.head_dim ** -0.5
-    # the variant's score features, each with values that change the answer (a sink above some rows' scores)
     features = dict(softcap=SOFTCAP if problem.softcap else 0.0,
                     sinks=torch.randn(HEADS_Q, generator=g).to(device) if problem.sinks else None,
                     alibi_slopes=(torch.tensor(ALIBI_SLOPES, device=device).expand(BATCH, HEADS_Q).contiguous()
                                   if problem.alibi else None))
+    dout = rand(HEADS_Q, SEQLEN_Q, problem.head_dim_v) if dtype != torch.float8_e4m3fn else None
+    return q, k, v, dout, problem.head_dim ** -0.5, features
+
+
+def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
+    """The tiny problem run by ``variant``, on the device, against fp64 math on the same (rounded) inputs.
+    Raises what the variant raises."""
+    from ..backends.reference import math_attention
+    from ..testing import error_and_bound, fp8_peer, rel_error
+
+    dtype = DTYPES[problem.dtype]
+    q, k, v, _, scale, features = _tiny_inputs(problem)
     out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask, **features))
     ref, _ = math_attention(q.double(), k.double(), v.double(), mask=problem.mask, scale=scale,
                             **{n: x.double() if isinstance(x, torch.Tensor) else x for n, x in features.items()})
@@ -200,6 +209,28 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
     if err > bound:
         return (f"self-check failed: max error {err:.3g} against fp64 math on a tiny problem "
                 f"(bound {bound:.3g}; torch's own {problem.dtype} error {peer_err:.3g})",)
+    return ()
+
+
+def _run_backward(backend, variant, problem: Problem) -> tuple[str, ...]:
+    """The tiny problem's gradients by the backward ``variant``, on the device, from fp64 math's output (rounded
+    to the dtype) and LSE, against fp64 math's gradients; judged by the rule of _run on each of dQ, dK and dV.
+    Raises what the variant raises."""
+    from ..testing import error_and_bound, oracle, peer_error
+
+    q, k, v, dout, scale, features = _tiny_inputs(problem)
+    fp64 = dict(causal=False, mask=problem.mask, scale=scale, dout=dout, **features)
+    ref_out, ref_lse, ref_grads = oracle(q, k, v, **fp64)
+    _, peer_grads = peer_error(q, k, v, **fp64)
+    grads = backend.backward(variant, Call(q, k, v, scale, problem.mask, **features), ref_out.to(q.dtype),
+                             ref_lse.float(), dout)
+    for name, x, ref, peer in zip(("dq", "dk", "dv"), grads, ref_grads, peer_grads):
+        if not torch.isfinite(x).all():
+            return (f"self-check failed: NaN or inf in the backward's {name} on a tiny problem",)
+        err, bound, peer_err = error_and_bound(x, ref, peer, ulps=8 * max(SEQLEN_Q, SEQLEN_K, problem.head_dim) ** 0.5)
+        if err > bound:
+            return (f"self-check failed: the backward's {name} is off by {err:.3g} against fp64 math on a tiny "
+                    f"problem (bound {bound:.3g}; torch's own {problem.dtype} error {peer_err:.3g})",)
     return ()
 
 

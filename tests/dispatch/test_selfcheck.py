@@ -257,3 +257,34 @@ def test_the_tiny_problem_exercises_the_variants_score_features(fresh, feature):
     backend.drops = {"alibi": "alibi_slopes"}.get(feature, feature)
     (reason,) = selfcheck.reasons(backend, TorchVariant("y"), problem)
     assert reason.startswith("self-check failed: max error"), reason
+
+
+def checked_reference(monkeypatch, factor=1.0):
+    """The reference backend under the self-check (it is the oracle, so normally exempt), its backward's
+    gradients times ``factor``."""
+    monkeypatch.setattr(selfcheck, "UNCHECKED", frozenset())
+    reference = registered()["reference"]
+    real = type(reference).backward
+
+    def scaled(self, variant, call, out, lse, dout, dlse=None):
+        return tuple(g * factor for g in real(self, variant, call, out, lse, dout, dlse))
+
+    monkeypatch.setattr(type(reference), "backward", scaled)
+
+
+def test_a_backward_variant_is_checked_on_first_use(fresh, monkeypatch, gen):
+    checked_reference(monkeypatch)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen) for _ in range(3))
+    d = attnforge.explain(q, k, v, causal=True, needs_grad=True, backend="reference")
+    assert d.backward.backend == "reference"
+    assert [key for key, _ in selfcheck.costs if key.startswith("bwd:reference|")], selfcheck.costs
+
+
+def test_a_wrong_backward_is_caught_and_forcing_it_says_why(fresh, monkeypatch, gen):
+    checked_reference(monkeypatch, factor=1.1)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen).requires_grad_() for _ in range(3))
+    d = attnforge.explain(q, k, v, causal=True, needs_grad=True, backend="reference")
+    (reason,) = d.backward.reasons_of("reference")
+    assert reason.startswith("self-check failed: the backward's dq is off by"), reason
+    with pytest.raises(attnforge.BackendUnavailableError, match="no backend can run the backward"):
+        attnforge.attention(q, k, v, causal=True, backend="reference")
