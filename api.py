@@ -12,8 +12,9 @@ from .dispatch import registry
 from .dispatch.call import Call
 from .dispatch.decision import Decision
 from .dispatch.mask import CAUSAL, NONE, Mask
-from .dispatch.problem import (Problem, alibi_slopes_of, check_attn_mask, check_causal, check_dropout, check_scale,
-                               check_sinks, check_softcap, dtype_name, problem_from_tensors, validate_tensors)
+from .dispatch.problem import (Problem, alibi_slopes_of, check_attn_mask, check_causal, check_deterministic,
+                               check_dropout, check_scale, check_sinks, check_softcap, dtype_name, problem_from_tensors,
+                               validate_tensors)
 from .dispatch.select import decide, decide_call, forced_backend
 from .errors import BackendUnavailableError, InvalidInputError
 
@@ -108,7 +109,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               return_lse: bool = False, backend: str | None = None, q_descale: torch.Tensor | None = None,
               k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks: torch.Tensor | None = None,
-              alibi_slopes: torch.Tensor | None = None):
+              alibi_slopes: torch.Tensor | None = None, deterministic: bool = False):
     """Exact attention softmax(q k^T * scale) v on the best backend for the device, dtype and shapes.
 
     q: (batch, heads_q, seqlen_q, head_dim), k: (batch, heads_kv, seqlen_k, head_dim),
@@ -128,7 +129,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     denominator and carry no value (gpt-oss's attention sinks): a row attends "nowhere" by that share, and the
     LSE includes it. Differentiable. ``alibi_slopes``: (heads_q,) or (batch, heads_q) float slopes (FlashAttention's
     ALiBi): -slope * |i + seqlen_k - seqlen_q - j| is added to the (capped) scores; not differentiated.
+    ``deterministic=True`` (FlashAttention's flag): the backward is bitwise reproducible from run to run; only
+    backends whose backward sums in a fixed order serve it (the Decision says which do). The default takes the
+    fastest backward, which may accumulate dQ with atomics.
     """
+    if deterministic is not False:  # (hot path: the default is one identity test)
+        deterministic = check_deterministic(deterministic)
+        if deterministic and torch.compiler.is_compiling():
+            raise InvalidInputError("deterministic=True inside torch.compile is not supported yet; call attention() "
+                                    "eagerly")
     if sinks is not None or alibi_slopes is not None:
         if torch.compiler.is_compiling():
             raise InvalidInputError("sinks and ALiBi inside torch.compile are not supported yet; call attention() "
@@ -136,7 +145,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         if getattr(q, "dtype", None) == torch.float8_e4m3fn:
             raise InvalidInputError("sinks and ALiBi with fp8 inputs are not supported")
         return _run(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend,
-                    softcap=check_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes)
+                    softcap=check_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
+                    deterministic=deterministic)
     if softcap.__class__ is not float or softcap:  # (hot path: the default 0.0 is one type test)
         softcap = check_softcap(softcap)
         if softcap and torch.compiler.is_compiling():
@@ -151,14 +161,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             validate_tensors(q, k, v, layout)  # names a q, k or v that is not a tensor first
         descale = _fp8_descale(q, k, descales, layout)
         return _run(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend,
-                    descale=descale, softcap=softcap)
+                    descale=descale, softcap=softcap, deterministic=deterministic)
     if torch.compiler.is_compiling():
         return _traced(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend)
     if window_size.__class__ is tuple and window_size == _UNBOUNDED:  # (hot path: inline)
         mask = CAUSAL if causal is True else NONE if causal is False else _causal_mask(causal)
     else:
         mask = _causal_mask(causal, window_size)
-    return _run(q, k, v, mask, scale, dropout_p, layout, return_lse, backend, softcap=softcap)
+    return _run(q, k, v, mask, scale, dropout_p, layout, return_lse, backend, softcap=softcap,
+                deterministic=deterministic)
 
 
 _UNBOUNDED = (-1, -1)
@@ -250,7 +261,7 @@ def autocast_inputs(q, k, v):
 
 
 def _run(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, descale=None, attn_mask=None,
-         softcap: float = 0.0, sinks=None, alibi_slopes=None):
+         softcap: float = 0.0, sinks=None, alibi_slopes=None, deterministic: bool = False):
     """Decide (a dict lookup for a repeated call signature), then run the decided Variants on one Call."""
     if descale is None:
         q, k, v = autocast_inputs(q, k, v)
@@ -261,7 +272,7 @@ def _run(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, des
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes_of(alibi_slopes, q, layout)
     decision = decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend, needs_grad, softcap=softcap > 0,
-                           sinks=sinks is not None, alibi=alibi_slopes is not None)
+                           sinks=sinks is not None, alibi=alibi_slopes is not None, deterministic=deterministic)
     scale = check_scale(scale, q.shape[-1])
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -366,7 +377,7 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
             causal: bool = False, dropout_p: float = 0.0, needs_grad: bool = False,
             head_dim_v: int | None = None, return_lse: bool = False, layout: str = "bhsd",
             backend: str | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-            sinks: bool = False, alibi: bool = False) -> Decision:
+            sinks: bool = False, alibi: bool = False, deterministic: bool = False) -> Decision:
     """The Decision attention() would take, without running anything.
 
     Give tensors (their shapes and dtype are used) or plain shapes (dtype, head_dim and seqlen_q
@@ -381,7 +392,8 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
                                        dropout_p=dropout_p,
                                        return_lse=return_lse,
                                        needs_grad=needs_grad or q.requires_grad or k.requires_grad or v.requires_grad,
-                                       softcap=check_softcap(softcap) > 0, sinks=bool(sinks), alibi=bool(alibi))
+                                       softcap=check_softcap(softcap) > 0, sinks=bool(sinks), alibi=bool(alibi),
+                                       deterministic=check_deterministic(deterministic))
     else:
         missing = [n for n, x in (("dtype", dtype), ("head_dim", head_dim), ("seqlen_q", seqlen_q)) if x is None]
         if missing:
@@ -393,5 +405,5 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
                           mask=_causal_mask(causal, window_size),
                           dropout=check_dropout(dropout_p) > 0, needs_grad=bool(needs_grad),
                           return_lse=bool(return_lse), softcap=check_softcap(softcap) > 0,
-                          sinks=bool(sinks), alibi=bool(alibi))
+                          sinks=bool(sinks), alibi=bool(alibi), deterministic=check_deterministic(deterministic))
     return decide(problem, *forced_backend(backend))

@@ -45,7 +45,8 @@ def _explain(args) -> int:
                            seqlen_q=args.seqlen_q, seqlen_k=args.seqlen_k, batch=args.batch, heads=args.heads,
                            kv_heads=args.kv_heads, causal=args.causal, dropout_p=args.dropout_p,
                            needs_grad=args.needs_grad, return_lse=args.return_lse, backend=args.backend,
-                           window_size=args.window_size, softcap=args.softcap, sinks=args.sinks, alibi=args.alibi)
+                           window_size=args.window_size, softcap=args.softcap, sinks=args.sinks, alibi=args.alibi,
+                           deterministic=args.deterministic)
     print(json.dumps(decision.to_dict(), indent=2) if args.json else decision)
     return 0 if decision.ok else 1
 
@@ -428,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alibi", action="store_true", help="ALiBi slopes")
     p.add_argument("--dropout-p", type=float, default=0.0)
     p.add_argument("--needs-grad", action="store_true", help="also decide the backward")
+    p.add_argument("--deterministic", action="store_true", help="the backward must be bitwise reproducible")
     p.add_argument("--return-lse", action="store_true")
     p.add_argument("--backend", default=None, help="force a backend")
     p.add_argument("--json", action="store_true", help="print the decision as JSON")

@@ -63,6 +63,7 @@ class Problem:
     softcap: bool = False  # scores capped as softcap * tanh(scores / softcap) (the value is the Call's)
     sinks: bool = False  # one learnable logit per query head in each row's softmax (the tensor is the Call's)
     alibi: bool = False  # ALiBi: -slope * |i + Nk - Nq - j| added to the scores (the slopes are the Call's)
+    deterministic: bool = False  # the backward must be bitwise reproducible (FlashAttention's deterministic=True)
 
     def __post_init__(self):
         for field in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v"):
@@ -103,7 +104,8 @@ class Problem:
         heads = f"{self.heads_q}" if not self.gqa else f"{self.heads_q}/{self.heads_kv}kv"
         dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), *((f, True) for f in self.score_features),
-                                 ("dropout", self.dropout), ("grad", self.needs_grad), ("lse", self.return_lse)) if on]
+                                 ("dropout", self.dropout), ("grad", self.needs_grad), ("deterministic", self.deterministic),
+                                 ("lse", self.return_lse)) if on]
         return (f"{self.dtype} b={self.batch} h={heads} nq={self.seqlen_q} nk={self.seqlen_k} {dims}"
                 + (" " + ",".join(flags) if flags else "") + f" on {self.device.arch} ({self.device.name})")
 
@@ -146,7 +148,8 @@ def validate_tensors(q, k, v, layout: str) -> None:
 
 def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: str = "bhsd", mask: Mask = Mask(),
                          dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None,
-                         softcap: bool = False, sinks: bool = False, alibi: bool = False) -> Problem:
+                         softcap: bool = False, sinks: bool = False, alibi: bool = False,
+                         deterministic: bool = False) -> Problem:
     """Validate q, k, v and describe them as a Problem on ``device`` (default: the tensors' device)."""
     validate_tensors(q, k, v, layout)
     if device is None:
@@ -158,7 +161,7 @@ def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: s
                    seqlen_k=k.shape[s], head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=_NAME_OF[q.dtype],
                    device=device, mask=mask, dropout=check_dropout(dropout_p) > 0,
                    needs_grad=bool(needs_grad), return_lse=bool(return_lse), softcap=bool(softcap),
-                   sinks=bool(sinks), alibi=bool(alibi))
+                   sinks=bool(sinks), alibi=bool(alibi), deterministic=bool(deterministic))
 
 
 def check_softcap(softcap) -> float:
@@ -232,6 +235,11 @@ def check_causal(causal, name: str = "causal") -> bool:
     if isinstance(causal, (bool, torch.SymBool)):  # traced with dynamic shapes (``seqlen > 1``): torch.compile guards on it
         return bool(causal)
     raise InvalidInputError(f"{name} must be a bool (True or False), got {causal!r} of type {type(causal).__name__}")
+
+
+def check_deterministic(deterministic) -> bool:
+    """``deterministic`` as a bool, refused as check_causal refuses what is not one."""
+    return check_causal(deterministic, "deterministic")
 
 
 def check_attn_mask(attn_mask, query: torch.Tensor, key: torch.Tensor) -> None:

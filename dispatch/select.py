@@ -114,7 +114,11 @@ FP8_BACKWARD_DTYPE = "bf16"
 
 def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...], forced: str | None = None) -> Choice:
     if fwd.autograd_native:
-        return Choice(fwd.name, None, (Candidate(fwd.name, CHOSEN),), note="torch autograd through its forward")
+        why = fwd.support.determinism_reasons(problem)
+        if why:
+            return Choice(None, None, (Candidate(fwd.name, REJECTED, tuple(why)),))
+        return Choice(fwd.name, None, (Candidate(fwd.name, CHOSEN),),
+                      note=f"torch autograd through its forward, {fwd.support.reproducibility}")
     fp8 = problem.dtype == "fp8"
     if fp8:
         problem = dataclasses.replace(problem, dtype=FP8_BACKWARD_DTYPE)
@@ -133,8 +137,10 @@ def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...], f
         return (None, reasons) if reasons else (variant, reasons)
 
     name, variant, candidates = _rank(order, verdict)
-    note = (f"in {FP8_BACKWARD_DTYPE} on the dequantised fp8 inputs: there is no FP8 backward" if fp8 and name else "")
-    return Choice(name, variant, candidates, note)
+    notes = [f"in {FP8_BACKWARD_DTYPE} on the dequantised fp8 inputs: there is no FP8 backward"] if fp8 and name else []
+    if name:
+        notes.append(registry.registered()[name].support.reproducibility)
+    return Choice(name, variant, candidates, "; ".join(notes))
 
 
 def _runs_last_resort(backends: dict, forward: str, backward: Choice | None) -> bool:
@@ -181,8 +187,9 @@ def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> De
             reasons = b.passed_over(problem)
         if not reasons and problem.needs_grad:
             bwd = _backward(problem, b, bwd_order, forced)
-            if bwd.backend is None:
-                reasons = ["no backend can run the backward after its forward (see the backward candidates)"]
+            if bwd.backend is None:  # (a backward by autograd through its own forward: that backward's reasons)
+                reasons = (list(bwd.reasons_of(b.name)) if b.autograd_native else
+                           ["no backend can run the backward after its forward (see the backward candidates)"])
         verdicts[name] = (variant, list(reasons), bwd)
     eligible = [n for n in fwd_order if n in verdicts and not verdicts[n][1]]
     # a fast forward followed by the last resort's backward (a head dim only the forward has) must not beat a
@@ -233,7 +240,7 @@ _CALL_CACHE_LIMIT = 4096
 
 
 def decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend, needs_grad: bool | None = None,
-                softcap: bool = False, sinks: bool = False, alibi: bool = False) -> Decision:
+                softcap: bool = False, sinks: bool = False, alibi: bool = False, deterministic: bool = False) -> Decision:
     """The Decision for this call. A repeated call signature (shapes, dtypes, devices, flags, forcing)
     is a dict lookup: it was validated when first seen, so the hot path stays in microseconds.
     ``needs_grad`` defaults to what grad mode and the inputs' requires_grad say (the compiled path's op,
@@ -243,14 +250,14 @@ def decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend, needs_gra
         if needs_grad is None:
             needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout,
-               mask, dropout_p, return_lse, needs_grad, forced, how, softcap, sinks, alibi)
+               mask, dropout_p, return_lse, needs_grad, forced, how, softcap, sinks, alibi, deterministic)
         entry = _CALL_CACHE.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the slow path says what
         key, entry = None, None
     if entry is None:
         problem = problem_from_tensors(q, k, v, layout=layout, mask=mask, dropout_p=dropout_p,
                                        return_lse=return_lse, needs_grad=needs_grad, softcap=softcap,
-                                       sinks=sinks, alibi=alibi)
+                                       sinks=sinks, alibi=alibi, deterministic=deterministic)
         decision = decide(problem, forced, how)
         if not decision.ok:
             raise BackendUnavailableError(str(decision))

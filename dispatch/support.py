@@ -28,6 +28,8 @@ class Support:
     dropout: bool = True
     return_lse: bool = True
     backward: bool = True
+    # why its backward is not bitwise reproducible from run to run ("": it is); deterministic=True refuses it then
+    nondeterministic_backward: str = ""
     empty: bool = True  # zero-sized batch, heads or sequence
 
     def reasons(self, p: Problem) -> list[str]:
@@ -74,7 +76,18 @@ class Support:
         """Reasons it cannot compute the backward of ``p`` (given a forward's saved output and LSE)."""
         if not self.backward:
             return ["has no backward"]
-        return [r for r in self.reasons(p) if not r.startswith("return_lse")]
+        return [r for r in self.reasons(p) if not r.startswith("return_lse")] + self.determinism_reasons(p)
+
+    def determinism_reasons(self, p: Problem) -> list[str]:
+        """With deterministic=True: why its backward does not serve (it is not bitwise reproducible)."""
+        if p.deterministic and self.nondeterministic_backward:
+            return [f"deterministic=True: its backward is not bitwise reproducible ({self.nondeterministic_backward})"]
+        return []
+
+    @property
+    def reproducibility(self) -> str:
+        """Whether its backward is bitwise reproducible, in words for the Decision."""
+        return "not bitwise reproducible" if self.nondeterministic_backward else "bitwise reproducible"
 
 
 def _join(items) -> str:

@@ -45,6 +45,8 @@ class SdpaBackend(Backend):
         empty=False,  # torch's fused kernels disagree on zero-sized inputs; reference handles them
         top_left=True, mask_tensor=True,  # attnforge.sdpa() passes SDPA's own masks through
         window=True,  # as a materialised (seqlen_q, seqlen_k) mask: see _windowed
+        nondeterministic_backward=("torch's SDPA kernel computes it, in a summation order attnforge does not control; "
+                                   "torch.use_deterministic_algorithms governs it"),
     )
 
     def _plan(self, problem: Problem) -> Planned:

@@ -106,4 +106,5 @@ def test_fp8_backward_runs_in_bf16_on_the_dequantised_inputs_and_the_decision_sa
     d = explain(device="H200", dtype="fp8", head_dim=128, seqlen_q=4096, needs_grad=True)
     assert d.forward.backend == "cute_sm90" and d.backward.backend == "triton_fa2"
     assert d.forward.variant.dtype == "fp8" and d.backward.variant.dtype == "bf16"
-    assert d.backward.describe().endswith("(in bf16 on the dequantised fp8 inputs: there is no FP8 backward)")
+    assert d.backward.describe().endswith("(in bf16 on the dequantised fp8 inputs: there is no FP8 backward; bitwise "
+                                          "reproducible)")

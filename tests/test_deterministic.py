@@ -1,0 +1,62 @@
+"""deterministic=True (FlashAttention's flag): only backwards that sum in a fixed order serve it, the others are
+rejected with the reason, the Decision says whether the chosen backward is bitwise reproducible, and the default
+keeps the fastest backward."""
+
+import pytest
+import torch
+
+import attnforge
+from attnforge import InvalidInputError, explain
+from attnforge.dispatch import select
+
+
+def test_forcing_cute_sm90_with_deterministic_takes_a_reproducible_backward():
+    d = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=2048, heads=8, needs_grad=True,
+                backend="cute_sm90", deterministic=True)
+    assert d.forward.backend == "cute_sm90" and d.backward.backend == "triton_fa2"
+    (reason,) = d.backward.reasons_of("cute_sm90")
+    assert reason == ("deterministic=True: its backward is not bitwise reproducible (dQ is summed by TMA "
+                      "reduce-add in the order the CTAs reach it)")
+    assert "bitwise reproducible" in d.backward.note and "not bitwise" not in d.backward.note
+    default = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=2048, heads=8, needs_grad=True,
+                      backend="cute_sm90")
+    assert default.backward.backend == "cute_sm90" and "not bitwise reproducible" in default.backward.note
+
+
+@pytest.mark.cost_tables
+def test_auto_training_leaves_sdpa_whose_backward_is_torchs():
+    select.decide.cache_clear()
+    shape = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=16384, batch=1, heads=16, causal=True,
+                 needs_grad=True)
+    assert explain(**shape).forward.backend == "sdpa"  # the measured fastest pair
+    d = explain(**shape, deterministic=True)
+    assert d.ok and d.forward.backend != "sdpa" and d.backward.backend == "triton_fa2"
+    (reason,) = d.forward.reasons_of("sdpa")
+    assert reason.startswith("deterministic=True: its backward is not bitwise reproducible (torch's SDPA kernel")
+    assert "deterministic" in d.problem.describe()
+
+
+def test_inference_is_unaffected():
+    shape = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=16384, heads=16, causal=True)
+    assert explain(**shape, deterministic=True).forward == explain(**shape).forward
+
+
+def test_a_deterministic_cpu_step_is_bitwise_reproducible(gen):
+    q, k, v = (torch.randn(2, 4, 67, 32, generator=gen).requires_grad_() for _ in range(3))
+    dout = torch.randn(2, 4, 67, 32, generator=gen)
+    grads = []
+    for _ in range(2):
+        out = attnforge.attention(q, k, v, causal=True, deterministic=True)
+        grads.append(torch.autograd.grad(out, (q, k, v), dout))
+    d = attnforge.last_decision()
+    assert d.backward.backend == "reference" and d.backward.note == "bitwise reproducible"
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    ref = torch.autograd.grad(attnforge.attention(q, k, v, causal=True), (q, k, v), dout)  # the default path
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads[0], ref))
+
+
+@pytest.mark.parametrize("value", ("yes", 1, None))
+def test_deterministic_must_be_a_bool(value, gen):
+    q = torch.randn(1, 1, 4, 8, generator=gen)
+    with pytest.raises(InvalidInputError, match="deterministic must be a bool"):
+        attnforge.attention(q, q, q, deterministic=value)
