@@ -45,6 +45,18 @@ class _NoDoubleBackward(torch.autograd.Function):
         raise double_backward_error(ctx.backend)
 
 
+def sink_gradient(sinks, out, lse, dout, dlse):
+    """d loss / d sinks, whatever backend ran: a sink's share of row i is P_i = exp(sink - LSE_i) (the LSE
+    counts the sink), and O_i = sum_j P_ij v_j moves by -P_i O_i per unit of sink while LSE_i moves by P_i,
+    so the gradient is sum over batch and rows of P_i (dlse_i - rowsum(dO_i * O_i))."""
+    acc = torch.promote_types(out.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(acc)
+    share = torch.exp(sinks.to(acc)[None, :, None] - lse.to(acc))
+    return -(share * delta).sum((0, 2)).to(sinks.dtype)
+
+
 class _Attention(torch.autograd.Function):
     """Autograd glue for backends whose backward runs from the saved output and LSE: the decided forward
     Variant runs, and the decided backward Variant runs from what it saved."""
@@ -76,25 +88,13 @@ class _Attention(torch.autograd.Function):
         return (*grads[:3], None, grads[3] if sinks is not None else None, None, None)
 
     @staticmethod
-    def _sink_gradient(sinks, out, lse, dout, dlse):
-        """d loss / d sinks, whatever backend ran: a sink's share of row i is P_i = exp(sink - LSE_i) (the LSE
-        counts the sink), and O_i = sum_j P_ij v_j moves by -P_i O_i per unit of sink while LSE_i moves by P_i,
-        so the gradient is sum over batch and rows of P_i (dlse_i - rowsum(dO_i * O_i))."""
-        acc = torch.promote_types(out.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-        delta = (dout.to(acc) * out.to(acc)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.to(acc)
-        share = torch.exp(sinks.to(acc)[None, :, None] - lse.to(acc))
-        return -(share * delta).sum((0, 2)).to(sinks.dtype)
-
-    @staticmethod
     def _gradients(ctx, choice, q, k, v, out, lse, descale, dout, dlse, sinks=None):
         bwd = registry.get(choice.backend)
         if descale is None:
             grads = bwd.backward(choice.variant, ctx.call._replace(q=q, k=k, v=v, sinks=sinks), out, lse, dout, dlse)
             if sinks is None:
                 return grads
-            return (*grads, _Attention._sink_gradient(sinks, out, lse, dout, dlse))
+            return (*grads, sink_gradient(sinks, out, lse, dout, dlse))
         # FP8: the backward runs in bf16 on the dequantised inputs x * descale (see select.FP8_BACKWARD_DTYPE);
         # by the chain rule the gradient with respect to the fp8 tensor is descale * d(dequantised).
         per_head = [d.repeat_interleave(t.shape[1] // d.shape[1], 1)[:, :, None, None] for d, t in zip(descale, (q, k, v))]
@@ -135,22 +135,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     if deterministic is not False:  # (hot path: the default is one identity test)
         deterministic = check_deterministic(deterministic)
-        if deterministic and torch.compiler.is_compiling():
-            raise InvalidInputError("deterministic=True inside torch.compile is not supported yet; call attention() "
-                                    "eagerly")
     if sinks is not None or alibi_slopes is not None:
-        if torch.compiler.is_compiling():
-            raise InvalidInputError("sinks and ALiBi inside torch.compile are not supported yet; call attention() "
-                                    "eagerly")
         if getattr(q, "dtype", None) == torch.float8_e4m3fn:
             raise InvalidInputError("sinks and ALiBi with fp8 inputs are not supported")
+        if torch.compiler.is_compiling():
+            return _traced(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend,
+                           softcap=check_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
+                           deterministic=deterministic)
         return _run(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend,
                     softcap=check_softcap(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
                     deterministic=deterministic)
     if softcap.__class__ is not float or softcap:  # (hot path: the default 0.0 is one type test)
         softcap = check_softcap(softcap)
-        if softcap and torch.compiler.is_compiling():
-            raise InvalidInputError("softcap inside torch.compile is not supported yet; call attention() eagerly")
     # (getattr: q may be anything here; the validation in _run names what is wrong)
     fp8 = getattr(q, "dtype", None) == torch.float8_e4m3fn
     if fp8 or q_descale is not None or k_descale is not None or v_descale is not None:
@@ -163,7 +159,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         return _run(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend,
                     descale=descale, softcap=softcap, deterministic=deterministic)
     if torch.compiler.is_compiling():
-        return _traced(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend)
+        return _traced(q, k, v, _causal_mask(causal, window_size), scale, dropout_p, layout, return_lse, backend,
+                       softcap=softcap, deterministic=deterministic)
     if window_size.__class__ is tuple and window_size == _UNBOUNDED:  # (hot path: inline)
         mask = CAUSAL if causal is True else NONE if causal is False else _causal_mask(causal)
     else:
@@ -215,18 +212,24 @@ def _fp8_descale(q, k, descales, layout) -> torch.Tensor:
     return out
 
 
-def _traced(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, attn_mask=None):
+def _traced(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, attn_mask=None, softcap: float = 0.0,
+            sinks=None, alibi_slopes=None, deterministic: bool = False):
     """Under torch.compile: one opaque custom op (see op.py). The op decides when the graph runs, as an eager
     call would; what only tracing knows (grad mode, requires_grad) is passed to it."""
     q, k, v = autocast_inputs(q, k, v)
     from .op import attention_op
+
+    if sinks is not None:
+        check_sinks(sinks, q, layout)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes_of(alibi_slopes, q, layout)
 
     if dropout_p:
         raise InvalidInputError("dropout_p > 0 inside torch.compile is not supported yet; call attention() eagerly")
     if attn_mask is not None and attn_mask.requires_grad:
         raise InvalidInputError("an attn_mask that requires grad is not supported inside torch.compile (the op "
                                 "gives no gradient for it); call attnforge.sdpa eagerly")
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks))
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if scale is None:
@@ -234,7 +237,7 @@ def _traced(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, 
     elif type(scale) is not float:  # (a traced float may be symbolic: the op checks it when the graph runs)
         scale = check_scale(scale, q.shape[-1])
     out, lse = attention_op(q, k, v, attn_mask, mask.causal, mask.top_left, mask.window[0], mask.window[1], scale,
-                            needs_grad, return_lse, backend)
+                            needs_grad, return_lse, backend, softcap, sinks, alibi_slopes, deterministic)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

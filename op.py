@@ -24,7 +24,7 @@ import torch
 from .dispatch import registry
 from .dispatch.call import Call
 from .dispatch.mask import Mask
-from .dispatch.problem import check_scale
+from .dispatch.problem import check_scale, check_softcap
 
 
 def _mask(attn_mask: Optional[torch.Tensor], causal: bool, top_left: bool, window: tuple[int, int]) -> Mask:
@@ -33,13 +33,18 @@ def _mask(attn_mask: Optional[torch.Tensor], causal: bool, top_left: bool, windo
     return Mask(causal=causal, top_left=top_left and (causal or window != (-1, -1)), window=window)
 
 
-def _decide(q, k, v, attn_mask, causal, top_left, window, needs_grad, return_lse, backend):
+def _decide(q, k, v, attn_mask, causal, top_left, window, needs_grad, return_lse, backend, softcap, sinks,
+            alibi_slopes, deterministic):
     """The Decision an eager call with these inputs takes (and that last_decision() then reports), and its Call."""
     from .dispatch.select import decide_call
 
     mask = _mask(attn_mask, causal, top_left, window)
-    decision = decide_call(q, k, v, "bhsd", mask, 0.0, return_lse, backend, needs_grad=needs_grad)
-    return decision, mask
+    decision = decide_call(q, k, v, "bhsd", mask, 0.0, return_lse, backend, needs_grad=needs_grad,
+                           softcap=softcap > 0, sinks=sinks is not None, alibi=alibi_slopes is not None,
+                           deterministic=deterministic)
+    call = Call(q, k, v, scale=1.0, mask=mask, attn_mask=attn_mask, softcap=softcap, sinks=sinks,
+                alibi_slopes=alibi_slopes)
+    return decision, call
 
 
 def lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -55,14 +60,17 @@ def _lse_shape(q: torch.Tensor, needs_grad: bool, return_lse: bool) -> tuple[int
 @torch.library.custom_op("attnforge::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], causal: bool,
                  top_left: bool, window_left: int, window_right: int, scale: float, needs_grad: bool,
-                 return_lse: bool, backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                 return_lse: bool, backend: Optional[str], softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                 alibi_slopes: Optional[torch.Tensor] = None,
+                 deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for (batch, heads, seqlen, dim) inputs, by the Decision an eager call would take. The LSE is
-    (batch, heads, seqlen_q) when ``return_lse`` or ``needs_grad``, else (batch, heads, 0)."""
+    (batch, heads, seqlen_q) when ``return_lse`` or ``needs_grad``, else (batch, heads, 0). ``alibi_slopes`` comes
+    as attention() makes it (problem.alibi_slopes_of: (batch, heads_q) fp32)."""
     scale = check_scale(scale, q.shape[-1])  # (traced as a graph input, it is first seen here)
-    decision, mask = _decide(q, k, v, attn_mask, causal, top_left, (window_left, window_right), needs_grad,
-                             return_lse, backend)
-    out, lse = registry.get(decision.forward.backend).forward(decision.forward.variant,
-                                                              Call(q, k, v, scale, mask, attn_mask=attn_mask))
+    softcap = check_softcap(softcap)  # (likewise)
+    decision, call = _decide(q, k, v, attn_mask, causal, top_left, (window_left, window_right), needs_grad,
+                             return_lse, backend, softcap, sinks, alibi_slopes, deterministic)
+    out, lse = registry.get(decision.forward.backend).forward(decision.forward.variant, call._replace(scale=scale))
     shape = _lse_shape(q, needs_grad, return_lse)
     if not shape[-1]:  # no one uses it
         lse = q.new_empty(shape, dtype=lse_dtype(q))
@@ -72,7 +80,8 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
 
 
 @attention_op.register_fake
-def _(q, k, v, attn_mask, causal, top_left, window_left, window_right, scale, needs_grad, return_lse, backend):
+def _(q, k, v, attn_mask, causal, top_left, window_left, window_right, scale, needs_grad, return_lse, backend,
+      softcap=0.0, sinks=None, alibi_slopes=None, deterministic=False):
     # exactly what the real op returns: contiguous out in q's dtype and contiguous LSE (new_empty is contiguous)
     return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(_lse_shape(q, needs_grad, return_lse),
                                                                 dtype=lse_dtype(q))
@@ -82,13 +91,15 @@ def _(q, k, v, attn_mask, causal, top_left, window_left, window_right, scale, ne
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
                           dlse: Optional[torch.Tensor], causal: bool, top_left: bool, window_left: int,
-                          window_right: int, scale: float, return_lse: bool,
-                          backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          window_right: int, scale: float, return_lse: bool, backend: Optional[str],
+                          softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                          alibi_slopes: Optional[torch.Tensor] = None,
+                          deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by the backward of the Decision the forward op took; ``dlse``, the LSE's gradient (None where
-    the LSE is not used), folds into the backward's delta."""
-    decision, mask = _decide(q, k, v, attn_mask, causal, top_left, (window_left, window_right), True, return_lse,
-                             backend)
-    choice, call = decision.backward, Call(q, k, v, scale, mask, attn_mask=attn_mask)
+    the LSE is not used), folds into the backward's delta. (The sinks' gradient is the autograd formula's.)"""
+    decision, call = _decide(q, k, v, attn_mask, causal, top_left, (window_left, window_right), True, return_lse,
+                             backend, softcap, sinks, alibi_slopes, deterministic)
+    choice, call = decision.backward, call._replace(scale=scale)
     if choice.variant is None and registry.get(choice.backend).autograd_native:
         grads = _recomputed_gradients(registry.get(decision.forward.backend), decision.forward.variant, call, dout)
     else:
@@ -116,26 +127,31 @@ def _autograd_inside_op():
 
 @attention_backward_op.register_fake
 def _(dout, q, k, v, attn_mask, out, lse, dlse, causal, top_left, window_left, window_right, scale, return_lse,
-      backend):
+      backend, softcap=0.0, sinks=None, alibi_slopes=None, deterministic=False):
     # contiguous, as the real op returns them (empty_like would copy the inputs' strides: bshd, transposed views)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, causal, top_left, window_left, window_right, scale, needs_grad, return_lse, backend = inputs
+    (q, k, v, attn_mask, causal, top_left, window_left, window_right, scale, needs_grad, return_lse, backend, softcap,
+     sinks, alibi_slopes, deterministic) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, attn_mask, out, lse)
-    ctx.flags = causal, top_left, window_left, window_right, scale, return_lse, backend
+    ctx.save_for_backward(q, k, v, attn_mask, out, lse, sinks, alibi_slopes)
+    ctx.flags = causal, top_left, window_left, window_right, scale, return_lse, backend, softcap, deterministic
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, attn_mask, out, lse = ctx.saved_tensors
-    causal, top_left, window_left, window_right, scale, return_lse, backend = ctx.flags
+    from .api import sink_gradient
+
+    q, k, v, attn_mask, out, lse, sinks, alibi_slopes = ctx.saved_tensors
+    causal, top_left, window_left, window_right, scale, return_lse, backend, softcap, deterministic = ctx.flags
     dout = torch.zeros_like(out) if dout is None else dout
     dlse = None if dlse is None or not return_lse else dlse.to(lse.dtype).contiguous()
     dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, attn_mask, out, lse, dlse, causal, top_left,
-                                       window_left, window_right, scale, return_lse, backend)
-    return dq, dk, dv, *(None,) * 9
+                                       window_left, window_right, scale, return_lse, backend, softcap, sinks,
+                                       alibi_slopes, deterministic)
+    dsinks = None if sinks is None else sink_gradient(sinks, out, lse, dout, dlse)
+    return dq, dk, dv, *(None,) * 10, dsinks, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

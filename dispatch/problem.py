@@ -165,7 +165,11 @@ def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: s
 
 
 def check_softcap(softcap) -> float:
-    """The score cap: 0 (none) or a positive finite number (FlashAttention's ``softcap``; Gemma 2's 50.0)."""
+    """The score cap: 0 (none) or a positive finite number (FlashAttention's ``softcap``; Gemma 2's 50.0). While
+    torch.compile traces, a float may be symbolic (a value that changed between calls): it is passed on, and the
+    op checks it when the graph runs."""
+    if type(softcap) is float and torch.compiler.is_compiling():
+        return softcap
     if type(softcap) is not float:
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
             raise InvalidInputError(f"softcap must be a number >= 0 (0: none), got {softcap!r}")

@@ -244,13 +244,6 @@ def test_softcap_matches_fp64_math_and_gradcheck_on_the_reference(gen):
                                                        backend="reference", return_lse=True), small)
 
 
-def test_softcap_inside_torch_compile_is_refused_with_the_reason():
-    q = torch.randn(1, 2, 5, 8)
-    fn = torch.compile(lambda q: attention(q, q, q, softcap=5.0), fullgraph=True, backend="eager")
-    with pytest.raises(Exception, match="softcap inside torch.compile is not supported yet"):
-        fn(q)
-
-
 @pytest.mark.parametrize("bad, match", [(torch.zeros(3), r"shape \(heads_q,\) = \(2,\)"),
                                         (torch.zeros(2, dtype=torch.int32), "float tensor"),
                                         ([0.0, 1.0], "float tensor"), (torch.zeros(1, 2), "float tensor")])
@@ -287,8 +280,6 @@ def test_sinks_match_fp64_math_with_their_gradient_and_gradcheck(gen):
     small = [t.detach()[:1, :, :7, :4].clone().requires_grad_() for t in (q, k, v)]
     torch.autograd.gradcheck(lambda q, k, v, s: attention(q, k, v, window_size=(3, 2), sinks=s, backend="reference",
                                                           return_lse=True), (*small, sinks))
-    with pytest.raises(Exception, match="sinks and ALiBi inside torch.compile are not supported yet"):
-        torch.compile(lambda q: attention(q, k, v, sinks=sinks), fullgraph=True, backend="eager")(q)
 
 
 def test_explain_takes_sinks_on_the_command_line(capsys):

@@ -252,3 +252,52 @@ def test_a_non_finite_scale_under_compile_is_a_clear_error(gen):
     fn = torch.compile(lambda q, k, v, s: attnforge.attention(q, k, v, scale=s), fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match="scale must be a finite number"):
         fn(q, k, v, float("nan"))
+
+
+FEATURES = {
+    "softcap": lambda gen: dict(softcap=0.7),
+    "sinks": lambda gen: dict(sinks=torch.randn(4, generator=gen).requires_grad_()),
+    "alibi": lambda gen: dict(alibi_slopes=torch.rand(4, generator=gen)),
+    "all": lambda gen: dict(softcap=2.0, sinks=torch.randn(4, generator=gen).requires_grad_(),
+                            alibi_slopes=torch.rand(2, 4, generator=gen), window_size=(5, 3)),
+    "deterministic": lambda gen: dict(deterministic=True),
+}
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("feature", FEATURES)
+def test_score_features_and_deterministic_compile_fullgraph_and_match_eager(feature, compiler, gen):
+    """softcap, sinks (with their gradient), ALiBi and deterministic=True through the op: the compiled step's
+    outputs, LSE and gradients equal the eager call's, whose own correctness tests/test_api.py checks against fp64."""
+    torch._dynamo.reset()  # (each case traces the same code object anew: no recompile limit across cases)
+    q, k, v = qkv(gen)
+    kw = FEATURES[feature](gen)
+
+    def step(q, k, v):
+        return attnforge.attention(q, k, v, causal=True, return_lse=True, **kw)
+
+    out, lse = torch.compile(step, fullgraph=True, backend=compiler)(q, k, v)
+    decision = attnforge.last_decision()
+    dout, dlse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    leaves = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
+    grads = torch.autograd.grad((out, lse), leaves, (dout, dlse))
+    eager_out, eager_lse = step(q, k, v)
+    assert attnforge.last_decision() == decision  # the same Decision as the eager call
+    eager = torch.autograd.grad((eager_out, eager_lse), leaves, (dout, dlse))
+    torch.testing.assert_close(out, eager_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, eager_lse, atol=1e-6, rtol=1e-6)
+    for g, e in zip(grads, eager):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_opcheck_with_score_features(gen):
+    q, k, v = qkv(gen)
+    sinks, slopes = torch.randn(4, generator=gen), torch.rand(2, 4, generator=gen)
+    torch.library.opcheck(torch.ops.attnforge.attention.default,
+                          (*fwd_args(q, k, v, True, "reference"), 0.7, sinks, slopes, True))
+    dout, out, lse = (torch.randn(2, 4, 17, 16, generator=gen), torch.randn(2, 4, 17, 16, generator=gen),
+                      torch.randn(2, 4, 17, generator=gen))
+    torch.library.opcheck(torch.ops.attnforge.attention_backward.default,
+                          (*bwd_args(dout, q.detach(), k.detach(), v.detach(), out, lse, None, True, "reference"),
+                           0.7, sinks, slopes, True))
+
