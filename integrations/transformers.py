@@ -1,9 +1,10 @@
 """Hugging Face transformers: `register()` makes `attn_implementation="attnforge"` work.
 
 Mirrors transformers' own SDPA integration: with no attention mask (the usual causal prefill) the
-call goes to attnforge.attention with causal=True, so the fast kernels serve it; a mask (padding,
-sliding windows, ...) goes through attnforge.sdpa, which keeps SDPA's mask semantics and serves
-them with the `sdpa` backend. Needs the `transformers` extra.
+call goes to attnforge.attention with causal=True, so the fast kernels serve it; a sliding-window layer
+(Mistral, Gemma 2, gpt-oss) with no padding goes there too, with the window as window_size; a mask
+(padding, chunked attention, ...) goes through attnforge.sdpa, which keeps SDPA's mask semantics and
+serves them with the `sdpa` backend. Needs the `transformers` extra.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out.
     ``softcap`` (Gemma 2's attn_logit_softcapping) and ``s_aux`` (gpt-oss's sinks) go to attention(); with a mask
-    tensor they are refused (the mask path is SDPA's, which has neither)."""
+    tensor they are refused (the mask path is SDPA's, which has neither). ``sliding_window`` (the layer's window,
+    None for a full-attention layer) becomes window_size: transformers' rule lets query i see key j iff
+    i - sliding_window < j <= i, that is a left window of sliding_window - 1 (causal_mask gives no tensor then)."""
     softcap = kwargs.get("softcap") or 0.0
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks, one logit per query head
     if (softcap or sinks is not None) and attention_mask is not None:
@@ -29,10 +32,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     dropout = dropout if module.training else 0.0
     if attention_mask is None:
-        # One query (decoding) sees every cached key; a prefill is square, where bottom-right and
-        # top-left causal agree.
-        out = api.attention(query, key, value, causal=bool(is_causal and query.shape[2] > 1), scale=scaling,
-                            dropout_p=dropout, softcap=softcap, sinks=sinks)
+        # One query (decoding) sees every cached key (within the window); a prefill is square, where bottom-right
+        # and top-left causal agree.
+        window = kwargs.get("sliding_window")
+        causal = bool(is_causal and query.shape[2] > 1)
+        window_size = (-1, -1) if not window else (int(window) - 1, 0 if causal else -1)
+        out = api.attention(query, key, value, causal=causal, scale=scaling, dropout_p=dropout, softcap=softcap,
+                            sinks=sinks, window_size=window_size)
     else:
         mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask.dim() == 4 else attention_mask
         out = api.sdpa(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
@@ -64,8 +70,9 @@ def causal_mask(*args, **kwargs):
 
 def _plain_causal(sdpa_mask, args, kwargs) -> bool:
     """Whether the mask transformers asks for is causal over the whole square (or a single query seeing
-    every key), with no padding mask and no window. Unknown arguments (another transformers version)
-    mean no: transformers' own mask is made."""
+    every key), with no padding mask, and no window or transformers' sliding window (attention_forward
+    applies the layer's window). Unknown arguments (another transformers version) mean no: transformers'
+    own mask is made."""
     import inspect
 
     from transformers.masking_utils import causal_mask_function
@@ -82,8 +89,28 @@ def _plain_causal(sdpa_mask, args, kwargs) -> bool:
         q_length = a["cache_position"].shape[0]
     else:
         return False
-    if a.get("attention_mask", True) is not None or a.get("local_size") is not None:
+    if a.get("attention_mask", True) is not None or not a.get("allow_is_causal_skip", False):
         return False
-    if not a.get("allow_is_causal_skip", False) or a.get("mask_function") is not causal_mask_function:
+    window = a.get("local_size")
+    if window is None:
+        if a.get("mask_function") is not causal_mask_function:
+            return False
+    elif not _is_sliding_causal(a.get("mask_function"), window):
         return False
     return q_length == 1 or (q_length == a.get("kv_length") and a.get("kv_offset", 0) == 0)
+
+
+def _is_sliding_causal(mask_function, window) -> bool:
+    """Whether ``mask_function`` is transformers' sliding-window causal mask of ``window`` (key j visible to query i
+    iff i - window < j <= i) rather than the chunked one that also passes local_size (Llama 4): told apart at the
+    points where they differ. transformers turns the causal skip off for any other pattern it combines."""
+    if not isinstance(window, int) or window < 1 or not callable(mask_function):
+        return False
+    try:
+        probes = {(window, 1): True, (window, 0): False, (0, 1): False, (window - 1, 0): True}
+        zero = torch.tensor(0)
+        return all(bool(mask_function(zero, zero, torch.tensor(q), torch.tensor(kv))) == want
+                   for (q, kv), want in probes.items())
+    except Exception:  # noqa: BLE001 - a mask function that takes no scalar index tensors: not the one recognised
+        return False
+

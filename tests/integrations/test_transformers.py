@@ -110,8 +110,9 @@ def test_compiled_model_runs_the_causal_kernels(models, gen):
 
 
 def test_a_sliding_window_model_matches_sdpa(gen):
-    """A tiny Mistral-style model with a sliding window shorter than the sequence: transformers hands the window
-    over as a mask tensor, which goes through attnforge.sdpa; logits equal attn_implementation="sdpa"."""
+    """A tiny Mistral-style model with a sliding window shorter than the sequence: with no padding the window
+    reaches attention() as window_size (the windowed kernels, no mask tensor); with padding, transformers' mask
+    goes through attnforge.sdpa. Logits equal attn_implementation="sdpa" either way."""
     ref, ours = pair(transformers.MistralForCausalLM, transformers.MistralConfig(sliding_window=8, **TINY))
     plain, _ = pair(transformers.MistralForCausalLM, transformers.MistralConfig(sliding_window=None, **TINY))
     plain.load_state_dict(ref.state_dict())
@@ -120,7 +121,31 @@ def test_a_sliding_window_model_matches_sdpa(gen):
         expected, got, unwindowed = ref(ids).logits, ours(ids).logits, plain(ids).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(unwindowed, expected, atol=1e-3)  # the window really changes the answer
+    mask = attnforge.last_decision().problem.mask
+    assert mask.causal and not mask.tensor and mask.window[0] == 7
+    padding = torch.ones_like(ids)
+    padding[0, :4] = 0
+    with torch.no_grad():
+        expected, got = ref(ids, attention_mask=padding).logits, ours(ids, attention_mask=padding).logits
+    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0, 4:], expected[0, 4:], atol=1e-5, rtol=1e-5)  # (padded rows: no answer)
     assert attnforge.last_decision().problem.mask == Mask(tensor=True)
+
+
+def test_a_gemma2_longer_than_its_window_matches_eager(gen):
+    """Gemma 2 alternates sliding and full layers and caps its scores: a sequence longer than the window takes
+    window_size and softcap together on the sliding layers (it was refused while the window came as a mask)."""
+    cfg = transformers.Gemma2Config(pad_token_id=0, head_dim=16, sliding_window=8, attn_logit_softcapping=0.02,
+                                    final_logit_softcapping=None, **TINY)
+    ref, ours = pair(transformers.Gemma2ForCausalLM, cfg, reference="eager")
+    ids = torch.randint(1, 128, (2, 29), generator=gen)
+    attnforge.dispatch.clear_caches()
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    masks = {d.problem.mask for d in attnforge.decisions()}
+    assert Mask(causal=True) in masks and {m.window[0] for m in masks} == {-1, 7} and not any(m.tensor for m in masks)
+    assert all(d.problem.softcap for d in attnforge.decisions())
 
 
 def test_a_softcapped_gemma2_matches_eager(gen):
