@@ -132,6 +132,24 @@ def test_a_sliding_window_model_matches_sdpa(gen):
     assert attnforge.last_decision().problem.mask == Mask(tensor=True)
 
 
+def test_a_sliding_window_model_generates_the_same_tokens(gen):
+    """Decoding past the window: each new token's single query takes the window (window_size, bottom-right) over
+    the keys transformers keeps for a sliding layer (its cache holds at most the window's): the same tokens and the
+    same logits at every step as transformers' sdpa path."""
+    ref, ours = pair(transformers.MistralForCausalLM, transformers.MistralConfig(sliding_window=8, **TINY))
+    prompt = torch.randint(1, 128, (2, 11), generator=gen)
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=9, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    expected = ref.generate(prompt, **kw)
+    attnforge.dispatch.clear_caches()
+    got = ours.generate(prompt, **kw)
+    assert got.sequences.tolist() == expected.sequences.tolist() and got.sequences.shape == (2, 20)
+    for mine, theirs in zip(got.logits, expected.logits):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    decode = [d.problem for d in attnforge.decisions() if d.problem.seqlen_q == 1]
+    assert decode and all(p.mask.window[0] == 7 and not p.mask.tensor for p in decode)
+
+
 def test_a_gemma2_longer_than_its_window_matches_eager(gen):
     """Gemma 2 alternates sliding and full layers and caps its scores: a sequence longer than the window takes
     window_size and softcap together on the sliding layers (it was refused while the window came as a mask)."""
