@@ -123,20 +123,28 @@ def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...], f
     if fp8:
         problem = dataclasses.replace(problem, dtype=FP8_BACKWARD_DTYPE)
 
+    failed: dict[str, list[str]] = {}  # backends whose backward failed its self-check
+
     def verdict(b: registry.Backend):
         if b.autograd_native:
             return None, ["its backward is torch autograd through its own forward; it cannot follow another forward"]
         missing = b.available()
         if missing:
             return None, missing
+        if b.name in failed:
+            return None, failed[b.name]
         variant, reasons = b.plan_backward(problem)
         if not reasons and b.name != forced:
             reasons = b.passed_over_backward(problem)
-        if not reasons:  # on this machine's device, a backward variant's first use runs its self-check too
-            reasons = list(selfcheck.reasons(b, variant, problem, backward=True))
         return (None, reasons) if reasons else (variant, reasons)
 
     name, variant, candidates = _rank(order, verdict)
+    while name is not None:  # on this machine's device, the chosen backward's first use runs its self-check
+        checks = selfcheck.reasons(registry.registered()[name], variant, problem, backward=True)
+        if not checks:
+            break
+        failed[name] = list(checks)
+        name, variant, candidates = _rank(order, verdict)
     notes = [f"in {FP8_BACKWARD_DTYPE} on the dequantised fp8 inputs: there is no FP8 backward"] if fp8 and name else []
     if name:
         notes.append(registry.registered()[name].support.reproducibility)
