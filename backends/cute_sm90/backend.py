@@ -15,6 +15,7 @@ import functools
 import torch
 
 from ...codegen import Source
+from ...dispatch import costs as cost_model
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend, Planned, registered
 from ...dispatch.support import Support
@@ -140,7 +141,12 @@ class CuteSm90Backend(Backend):
         return bwd.Sm90BwdVariant(tile, problem.head_dim, problem.dtype, problem.causal), []
 
     def passed_over_backward(self, problem: Problem) -> list[str]:
-        return [] if bwd_variants.AUTO_DISPATCH else [bwd_variants.NOT_AUTO_BECAUSE]
+        """Automatic dispatch takes this backward only where the arch's cost table measures the pairing (see
+        bwd_variants.PLAN)."""
+        table = cost_model.table(problem.device.arch)
+        if table is not None and table.estimate(bwd_variants.PLAN, problem, "fwd+bwd") is not None:
+            return []
+        return [bwd_variants.NOT_AUTO_BECAUSE]
 
     def passed_over(self, problem: Problem) -> list[str]:
         lo, hi, measured = variants.TRITON_FASTER.get((cc.KIND[problem.dtype], problem.head_dim), (0, 0, ""))

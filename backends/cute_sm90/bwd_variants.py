@@ -15,11 +15,11 @@ from ...dispatch.variant import first_that_fits
 from .variants import REGISTERS_PER_SM, SMEM_BYTES
 
 HEAD_DIMS = (64, 128)
-# Whether automatic dispatch takes this backward (a forced cute_sm90 always runs it), and why not: the Decision
-# quotes it. Automatic dispatch ranks training plans by the measured cost table (dispatch/costs/sm90.json), which
-# has no cute_sm90+cute_sm90 entries yet, and the plan it would displace there (cuDNN's SDPA forward+backward)
-# measured faster; `attnforge tune --costs` on an H100/H200 measures the pairing (it forces each backend).
-AUTO_DISPATCH = False
+# Automatic dispatch takes this backward (a forced cute_sm90 always runs it) where the arch's measured cost table
+# (dispatch/costs/<arch>.json) covers the pairing PLAN for the problem, which then competes with the other
+# measured plans; elsewhere it is passed over with this reason, which the Decision quotes. The shipped sm90 table
+# has no entries for it yet; `attnforge tune --costs` on an H100/H200 measures it (it forces each backend).
+PLAN = "cute_sm90+cute_sm90"
 NOT_AUTO_BECAUSE = ("its backward is not in the sm90 cost table yet, and measured slower than cuDNN's SDPA "
                     "forward+backward though 1.13-1.18x triton_fa2's after this forward (H200, bf16, N=16k, "
                     "forward+backward TFLOP/s full/causal: d=128 534/516 vs cuDNN 563/542, d=64 440/419 vs 442/435; "

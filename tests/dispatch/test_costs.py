@@ -255,3 +255,22 @@ def test_softcap_sinks_and_alibi_are_unmeasured(feature):
     d = explain(**shape, **feature)
     assert d.forward.backend == "triton_fa2" and d.forward.candidates[1].evidence == "unmeasured", d.forward
     assert "measured on NVIDIA H200" in explain(**shape).forward.candidates[1].evidence  # the dense call is measured
+
+
+@pytest.mark.cost_tables
+def test_cute_sm90s_backward_is_taken_where_the_table_measures_it_faster(table):
+    """The cute_sm90 backward competes in automatic dispatch where the table measures its pairing: chosen when
+    that pairing is the fastest measured plan, passed over (with the reason) where the table has no entry."""
+    from attnforge.backends.cute_sm90 import bwd_variants
+
+    table({"plan": "cute_sm90+cute_sm90", "mode": "fwd+bwd", "tflops": 560.0},
+          {"plan": "sdpa+sdpa", "mode": "fwd+bwd", "tflops": 540.0},
+          {"plan": "cute_sm90", "mode": "fwd", "tflops": 600.0})
+    d = explain(needs_grad=True)
+    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "cute_sm90"), str(d)
+    assert "fastest predicted" in d.forward.note
+    elsewhere = explain(needs_grad=True, head_dim=64)  # no entry for this class
+    assert elsewhere.backward.reasons_of("cute_sm90") == (bwd_variants.NOT_AUTO_BECAUSE,)
+    table({"plan": "cute_sm90+cute_sm90", "mode": "fwd+bwd", "tflops": 500.0},
+          {"plan": "sdpa+sdpa", "mode": "fwd+bwd", "tflops": 540.0})
+    assert explain(needs_grad=True).forward.backend == "sdpa"  # measured slower: the faster pair runs
