@@ -33,7 +33,7 @@ def _mask(attn_mask: Optional[torch.Tensor], causal: bool, top_left: bool, windo
     return Mask(causal=causal, top_left=top_left and (causal or window != (-1, -1)), window=window)
 
 
-def _decide(q, k, v, attn_mask, causal, top_left, window, needs_grad, return_lse, backend, softcap, sinks,
+def _decide(q, k, v, attn_mask, causal, top_left, window, scale, needs_grad, return_lse, backend, softcap, sinks,
             alibi_slopes, deterministic):
     """The Decision an eager call with these inputs takes (and that last_decision() then reports), and its Call."""
     from .dispatch.select import decide_call
@@ -42,8 +42,7 @@ def _decide(q, k, v, attn_mask, causal, top_left, window, needs_grad, return_lse
     decision = decide_call(q, k, v, "bhsd", mask, 0.0, return_lse, backend, needs_grad=needs_grad,
                            softcap=softcap > 0, sinks=sinks is not None, alibi=alibi_slopes is not None,
                            deterministic=deterministic)
-    call = Call(q, k, v, scale=1.0, mask=mask, attn_mask=attn_mask, softcap=softcap, sinks=sinks,
-                alibi_slopes=alibi_slopes)
+    call = Call(q, k, v, scale, mask, attn_mask=attn_mask, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     return decision, call
 
 
@@ -68,9 +67,9 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
     as attention() makes it (problem.alibi_slopes_of: (batch, heads_q) fp32)."""
     scale = check_scale(scale, q.shape[-1])  # (traced as a graph input, it is first seen here)
     softcap = check_softcap(softcap)  # (likewise)
-    decision, call = _decide(q, k, v, attn_mask, causal, top_left, (window_left, window_right), needs_grad,
+    decision, call = _decide(q, k, v, attn_mask, causal, top_left, (window_left, window_right), scale, needs_grad,
                              return_lse, backend, softcap, sinks, alibi_slopes, deterministic)
-    out, lse = registry.get(decision.forward.backend).forward(decision.forward.variant, call._replace(scale=scale))
+    out, lse = registry.get(decision.forward.backend).forward(decision.forward.variant, call)
     shape = _lse_shape(q, needs_grad, return_lse)
     if not shape[-1]:  # no one uses it
         lse = q.new_empty(shape, dtype=lse_dtype(q))
@@ -97,9 +96,9 @@ def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) by the backward of the Decision the forward op took; ``dlse``, the LSE's gradient (None where
     the LSE is not used), folds into the backward's delta. (The sinks' gradient is the autograd formula's.)"""
-    decision, call = _decide(q, k, v, attn_mask, causal, top_left, (window_left, window_right), True, return_lse,
-                             backend, softcap, sinks, alibi_slopes, deterministic)
-    choice, call = decision.backward, call._replace(scale=scale)
+    decision, call = _decide(q, k, v, attn_mask, causal, top_left, (window_left, window_right), scale, True,
+                             return_lse, backend, softcap, sinks, alibi_slopes, deterministic)
+    choice = decision.backward
     if choice.variant is None and registry.get(choice.backend).autograd_native:
         grads = _recomputed_gradients(registry.get(decision.forward.backend), decision.forward.variant, call, dout)
     else:

@@ -219,7 +219,7 @@ def _run_backward(backend, variant, problem: Problem) -> tuple[str, ...]:
     from ..testing import error_and_bound, oracle, peer_error
 
     q, k, v, dout, scale, features = _tiny_inputs(problem)
-    fp64 = dict(causal=False, mask=problem.mask, scale=scale, dout=dout, **features)
+    fp64 = dict(mask=problem.mask, scale=scale, dout=dout, **features)
     ref_out, ref_lse, ref_grads = oracle(q, k, v, **fp64)
     _, peer_grads = peer_error(q, k, v, **fp64)
     grads = backend.backward(variant, Call(q, k, v, scale, problem.mask, **features), ref_out.to(q.dtype),

@@ -16,7 +16,8 @@ from attnforge import attention, explain  # noqa: E402
 from attnforge.api import _causal_mask  # noqa: E402
 from attnforge.testing import assert_close, assert_grads_close, oracle, peer_error  # noqa: E402
 
-from .test_interpreter import BWD_TILES, FWD_TILES, inputs, module, tile_id  # noqa: E402
+from .test_interpreter import (BWD_TILES, FWD_TILES, feature_case_id, inputs, launch_window, module,  # noqa: E402
+                               tile_id)
 
 # (heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, window, softcap, per-batch slopes, sinks)
 CASES = [(4, 2, 113, 67, 32, True, (-1, -1), 0.0, False, False), (2, 2, 130, 130, 64, False, (-1, -1), 0.0, True, False),
@@ -24,8 +25,7 @@ CASES = [(4, 2, 113, 67, 32, True, (-1, -1), 0.0, False, False), (2, 2, 130, 130
 
 
 def case_id(c):
-    return (f"{c[0]}x{c[1]}x{c[2]}x{c[3]}x{c[4]}{'-causal' if c[5] else ''}-w{c[6][0]}_{c[6][1]}-cap{c[7]}"
-            f"{'-per_batch' if c[8] else ''}{'-sinks' if c[9] else ''}")
+    return f"{feature_case_id(c)}{'-per_batch' if c[8] else ''}{'-sinks' if c[9] else ''}"
 
 
 def slopes_for(gen, batch, heads, per_batch):
@@ -34,10 +34,6 @@ def slopes_for(gen, batch, heads, per_batch):
     if not per_batch:
         return base
     return torch.stack([base[torch.randperm(heads, generator=gen)] * (1 + b) for b in range(batch)])
-
-
-def _window(mask):
-    return mask.window_bounds if mask.windowed else None
 
 
 @pytest.mark.parametrize("tile", FWD_TILES, ids=tile_id)
@@ -50,8 +46,8 @@ def test_forward_fp32_every_tile(tile, case, gen):
     sinks = torch.randn(hq, generator=gen) if with_sinks else None
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"))
-    module(tile).launch(q, k, v, out, lse, causal=causal, scale=0.3, window=_window(mask), softcap=cap, sinks=sinks,
-                        alibi_slopes=slopes.expand(2, hq).contiguous() if not per_batch else slopes)
+    module(tile).launch(q, k, v, out, lse, causal=causal, scale=0.3, window=launch_window(mask), softcap=cap,
+                        sinks=sinks, alibi_slopes=slopes.expand(2, hq).contiguous() if not per_batch else slopes)
     ref, ref_lse, _ = oracle(q, k, v, mask=mask, scale=0.3, softcap=cap, sinks=sinks, alibi_slopes=slopes)
     peer, _ = peer_error(q, k, v, mask=mask, scale=0.3, softcap=cap, sinks=sinks, alibi_slopes=slopes)
     ulps = 4 * math.sqrt(max(nq, nk, d))
@@ -73,7 +69,7 @@ def test_backward_fp32_every_tile(tile, case, gen):
     _, peer_grads = peer_error(q, k, v, mask=mask, scale=0.3, dout=dout, softcap=cap, sinks=sinks, alibi_slopes=slopes)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     module(tile).launch(q, k, v, ref.float(), ref_lse.float(), dout, *grads, causal=causal, scale=0.3,
-                        window=_window(mask), softcap=cap,
+                        window=launch_window(mask), softcap=cap,
                         alibi_slopes=slopes.expand(2, hq).contiguous() if not per_batch else slopes)
     ulps = 4 * math.sqrt(max(nq, nk, d)) + ref_lse[torch.isfinite(ref_lse)].abs().max().item()
     assert_grads_close(grads, ref_grads[:3], peer_grads[:3], q, k, v, dout, mask, 0.3, ulps)

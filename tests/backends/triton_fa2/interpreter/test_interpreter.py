@@ -34,6 +34,16 @@ def module(entry):
     return generated.load(Source.of(backend.templates[family], tile.params(), tile.module))
 
 
+def launch_window(mask):
+    """A Mask's window as the kernels' launch takes it (None: unwindowed)."""
+    return mask.window_bounds if mask.windowed else None
+
+
+def feature_case_id(c):
+    """A score-feature case (heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, window, softcap, ...) as an id."""
+    return f"{c[0]}x{c[1]}x{c[2]}x{c[3]}x{c[4]}{'-causal' if c[5] else ''}-w{c[6][0]}_{c[6][1]}-cap{c[7]}"
+
+
 def tile_id(entry):
     return f"{entry[0].name}.{entry[2].module}"
 

@@ -17,7 +17,7 @@ from attnforge import attention, explain  # noqa: E402
 from attnforge.api import _causal_mask  # noqa: E402
 from attnforge.testing import assert_close, assert_grads_close, oracle, peer_error  # noqa: E402
 
-from .test_interpreter import FWD_TILES, inputs, module, tile_id  # noqa: E402
+from .test_interpreter import FWD_TILES, feature_case_id, inputs, launch_window, module, tile_id  # noqa: E402
 
 # (heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, window, softcap); causal with Nq > Nk hides every
 # key from the first rows
@@ -25,16 +25,12 @@ CASES = [(4, 2, 113, 67, 32, True, (-1, -1), 0.0), (2, 2, 130, 130, 64, False, (
          (2, 1, 67, 190, 32, False, (20, 5), 2.0)]
 
 
-def case_id(c):
-    return f"{c[0]}x{c[1]}x{c[2]}x{c[3]}x{c[4]}{'-causal' if c[5] else ''}-w{c[6][0]}_{c[6][1]}-cap{c[7]}"
-
-
 def sink_logits(gen, heads):
     return torch.randn(heads, generator=gen) * 2.0  # some above the rows' scores, some below
 
 
 @pytest.mark.parametrize("tile", FWD_TILES, ids=tile_id)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=feature_case_id)
 def test_forward_fp32_every_tile(tile, case, gen):
     hq, hkv, nq, nk, d, causal, window, cap = case
     mask = _causal_mask(causal, window)
@@ -42,7 +38,7 @@ def test_forward_fp32_every_tile(tile, case, gen):
     sinks = sink_logits(gen, hq)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"))
-    module(tile).launch(q, k, v, out, lse, causal=causal, scale=0.3, window=mask.window_bounds if mask.windowed else None,
+    module(tile).launch(q, k, v, out, lse, causal=causal, scale=0.3, window=launch_window(mask),
                         softcap=cap, sinks=sinks)
     ref, ref_lse, _ = oracle(q, k, v, mask=mask, scale=0.3, softcap=cap, sinks=sinks)
     peer, _ = peer_error(q, k, v, mask=mask, scale=0.3, softcap=cap, sinks=sinks)
@@ -56,7 +52,7 @@ def test_forward_fp32_every_tile(tile, case, gen):
 
 
 @pytest.mark.parametrize("backend", ["triton_fa2", "triton_rocm"])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=feature_case_id)
 def test_attention_fp16_forward_and_backward_with_dsinks(backend, case, gen):
     hq, hkv, nq, nk, d, causal, window, cap = case
     mask = _causal_mask(causal, window)

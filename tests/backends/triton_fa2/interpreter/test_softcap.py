@@ -15,7 +15,8 @@ from attnforge import attention, explain  # noqa: E402
 from attnforge.api import _causal_mask  # noqa: E402
 from attnforge.testing import assert_close, assert_grads_close, oracle, peer_error  # noqa: E402
 
-from .test_interpreter import BWD_TILES, FWD_TILES, inputs, module, tile_id  # noqa: E402
+from .test_interpreter import (BWD_TILES, FWD_TILES, feature_case_id, inputs, launch_window, module,  # noqa: E402
+                               tile_id)
 
 # (heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, window, softcap). Scores are q.k * 0.3 with unit
 # inputs (|s| up to ~5 at d=64), so a cap of 2 bends most of them and 0.5 flattens them; 30 barely touches them.
@@ -23,23 +24,15 @@ CASES = [(2, 1, 113, 67, 64, True, (-1, -1), 2.0), (2, 2, 130, 130, 32, False, (
          (4, 2, 67, 190, 32, False, (20, 5), 2.0), (1, 1, 17, 17, 16, True, (-1, -1), 30.0)]
 
 
-def case_id(c):
-    return f"{c[0]}x{c[1]}x{c[2]}x{c[3]}x{c[4]}{'-causal' if c[5] else ''}-w{c[6][0]}_{c[6][1]}-cap{c[7]}"
-
-
-def _window(mask):
-    return mask.window_bounds if mask.windowed else None
-
-
 @pytest.mark.parametrize("tile", FWD_TILES, ids=tile_id)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=feature_case_id)
 def test_forward_fp32_every_tile(tile, case, gen):
     hq, hkv, nq, nk, d, causal, window, cap = case
     mask = _causal_mask(causal, window)
     q, k, v = inputs(gen, 1, hq, hkv, nq, nk, d, torch.float32)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"))
-    module(tile).launch(q, k, v, out, lse, causal=causal, scale=0.3, window=_window(mask), softcap=cap)
+    module(tile).launch(q, k, v, out, lse, causal=causal, scale=0.3, window=launch_window(mask), softcap=cap)
     ref, ref_lse, _ = oracle(q, k, v, mask=mask, scale=0.3, softcap=cap)
     peer, _ = peer_error(q, k, v, mask=mask, scale=0.3, softcap=cap)
     ulps = 4 * math.sqrt(max(nq, nk, d))
@@ -51,7 +44,7 @@ def test_forward_fp32_every_tile(tile, case, gen):
 
 
 @pytest.mark.parametrize("tile", BWD_TILES, ids=tile_id)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=feature_case_id)
 def test_backward_fp32_every_tile(tile, case, gen):
     hq, hkv, nq, nk, d, causal, window, cap = case
     mask = _causal_mask(causal, window)
@@ -61,13 +54,13 @@ def test_backward_fp32_every_tile(tile, case, gen):
     _, peer_grads = peer_error(q, k, v, mask=mask, scale=0.3, dout=dout, softcap=cap)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     module(tile).launch(q, k, v, ref.float(), ref_lse.float(), dout, *grads, causal=causal, scale=0.3,
-                        window=_window(mask), softcap=cap)
+                        window=launch_window(mask), softcap=cap)
     ulps = 4 * math.sqrt(max(nq, nk, d)) + ref_lse[torch.isfinite(ref_lse)].abs().max().item()
     assert_grads_close(grads, ref_grads, peer_grads, q, k, v, dout, mask, 0.3, ulps)
 
 
 @pytest.mark.parametrize("backend", ["triton_fa2", "triton_rocm"])
-@pytest.mark.parametrize("case", CASES[:3], ids=case_id)
+@pytest.mark.parametrize("case", CASES[:3], ids=feature_case_id)
 def test_attention_fp16_forward_and_backward(backend, case, gen):
     hq, hkv, nq, nk, d, causal, window, cap = case
     mask = _causal_mask(causal, window)
