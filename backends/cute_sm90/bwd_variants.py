@@ -44,13 +44,22 @@ class Sm90BwdTile:
     # ptxas serializes the WGMMAs (a wait after each) where it cannot keep their registers in flight; the compile
     # test fails on that unless the table accepts it here, with the measurement that kept the tile
     accepts_serialized_wgmma: bool = False
+    # dQ's TMA reduce-adds issued by a dedicated warp of the producer warpgroup (FlashAttention-3's dQ writer), so
+    # that a consumer warpgroup only waits for its staging buffer to be free, not for the other's writes to it
+    dq_warp: bool = True
+    # dK's WGMMA issued after dQ's, so that dQ's store into its staging buffer runs beside it (FlashAttention-3's
+    # order); else before the dS barrier between the consumer warpgroups
+    dk_last: bool = True
+    # dV's WGMMA issued once dS is in shared memory (FlashAttention-3's order), else as soon as P is computed
+    dv_late: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
         return self.tile_n // 64
 
     def module(self, head_dim: int) -> str:
-        return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}"
+        flags = ("_w" if self.dq_warp else "") + ("_k" if self.dk_last else "") + ("_v" if self.dv_late else "")
+        return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{flags}"
 
     def params(self, head_dim: int) -> dict:
         return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": head_dim}
