@@ -25,26 +25,19 @@ import torch
 
 import attnforge
 from attnforge.backends.cute_sm90 import backward
-from attnforge.backends.cute_sm90.bwd_variants import Sm90BwdTile, check
+from attnforge.backends.cute_sm90.bwd_variants import BWD, Sm90BwdTile, check
 from attnforge.bench import impls, measure
 from attnforge.dispatch import costs
 from attnforge.runtime import cute
 from attnforge.testing import assert_close, oracle, peer_error
 
-# The four issue orders of the consumer step (bwd_variants.Sm90BwdTile: dk_last, dv_late) with the dQ warp, and
-# the first without it
-_ORDERS = [dict(dk_last=False), dict(dk_last=True), dict(dk_last=True, dv_late=True), dict(dk_last=False, dv_late=True)]
-CANDIDATES = {
-    64: [Sm90BwdTile(128, accepted_spill_bytes=88, accepts_serialized_wgmma=True, **o) for o in _ORDERS[:2]]
-    + [Sm90BwdTile(128, accepted_spill_bytes=8, **o) for o in _ORDERS[2:]],
-    128: [Sm90BwdTile(64, accepted_spill_bytes=16, **o) for o in _ORDERS]
-    + [Sm90BwdTile(64, accepted_spill_bytes=16, dq_warp=False, dk_last=False)],
-}
+# The table's tiles; add candidates beside them. (The issue orders of the consumer step and the dQ warp were
+# compared this way: benchmarks/results/2026-12-01-h200-cute_sm90-bwd-order/.)
+CANDIDATES = {d: list(tiles) for d, tiles in BWD.items()}
 
 
 def label(tile: Sm90BwdTile) -> str:
-    flags = [name for name in ("dq_warp", "dk_last", "dv_late") if getattr(tile, name)]
-    return f"bwd {tile.tile_m}x{tile.tile_n} {'+'.join(flags) or 'plain'}"
+    return f"bwd {tile.describe()}"
 
 
 def _build(build) -> str:

@@ -1,4 +1,5 @@
 import logging
+import math
 import os
 import random
 import zlib
@@ -53,3 +54,16 @@ def _priority_order(request, monkeypatch):
 def gen(request):
     """A generator seeded from the session seed and the test's id."""
     return torch.Generator().manual_seed(SESSION_SEED ^ zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty / torch.empty_like give NaN-filled tensors (floating point), so that an element a kernel leaves
+    unwritten in an output its host code allocated shows."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))

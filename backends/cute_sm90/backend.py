@@ -179,7 +179,9 @@ class CuteSm90Backend(Backend):
                     out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag) for flag in causal]
         return out
 
-    def builds(self, variant: Sm90Variant) -> list:
+    def builds(self, variant: Sm90Variant | bwd.Sm90BwdVariant) -> list:
+        if isinstance(variant, bwd.Sm90BwdVariant):  # with the Triton kernels before and after it
+            return [variant.build, *bwd.aot_builds(variant.dtype, variant.head_dim)]
         return [variant.build] + ([aot_build("sm90")] if variant.dtype == "fp8" else [])  # FP8's V^T kernel (Triton)
 
     def forward(self, variant: Sm90Variant, call):

@@ -11,6 +11,7 @@ import torch
 
 from ...codegen import Source
 from ...runtime import cute
+from ...runtime.triton_launch import launch
 from ..shared.cute_host import LOG2_E, CuteVariant, elements, tma_ready
 from . import compile as cc
 from . import bwd_variants
@@ -77,12 +78,32 @@ def compile_arguments(module, dtype: str, causal: bool, arch: str):
     return module.Backward(element, causal), fake_arguments(dtype, module.INPUT_HEAD_DIM, arch)
 
 
-def row_statistics(out, dout, lse, dlse, tile_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def row_statistics(out, dout, lse, dlse, tile_m: int, use_triton: bool | None = None):
     """(LSE * log2(e), delta = rowsum(dO * O) - dLSE), fp32 (batch, heads, seqlen_q rounded up to ``tile_m``): what
     the kernel's TMA loads a query block of. A row that saw no key (LSE -inf) gets +inf, so that its P is 0; padding
-    rows get +inf and 0 (their Q and dO load as zeros)."""
+    rows get +inf and 0 (their Q and dO load as zeros). One Triton kernel on CUDA (bwd_rows_kernel.py; ``use_triton``
+    forces it, e.g. in Triton's interpreter), torch elsewhere."""
     b, h, n = lse.shape
     padded = math.ceil(max(n, 1) / tile_m) * tile_m
+    if not (out.is_cuda if use_triton is None else use_triton):
+        return _row_statistics_torch(out, dout, lse, dlse, padded)
+    from . import bwd_rows_kernel as k
+
+    out, dout = tma_ready(out), tma_ready(dout)
+    lse = lse.float().contiguous()
+    lse2 = torch.empty((b, h, padded), dtype=torch.float32, device=lse.device)
+    delta = torch.empty_like(lse2)
+    dlse_arg = lse if dlse is None else dlse.float().contiguous()  # not read without dlse
+    if b * h:
+        args = (out, dout, lse, dlse_arg, lse2, delta, int(dlse is not None), n, padded, h, *_units(out),
+                *_units(dout))
+        launch(k.row_statistics, (-(-padded // k.BLOCK_ROWS), b * h), args, _dims(out.shape[-1]), k.NUM_WARPS,
+               k.NUM_STAGES)
+    return lse2, delta
+
+
+def _row_statistics_torch(out, dout, lse, dlse, padded: int):
+    b, h, n = lse.shape
     lse2 = torch.full((b, h, padded), math.inf, dtype=torch.float32, device=lse.device)
     lse2[..., :n] = torch.where(lse == -math.inf, math.inf, lse * LOG2_E)
     delta = torch.zeros((b, h, padded), dtype=torch.float32, device=lse.device)
@@ -90,6 +111,58 @@ def row_statistics(out, dout, lse, dlse, tile_m: int) -> tuple[torch.Tensor, tor
     if dlse is not None:
         delta[..., :n] -= dlse.float()
     return lse2, delta
+
+
+def dq_from_accumulator(acc: torch.Tensor, q: torch.Tensor, scale: float, use_triton: bool | None = None):
+    """dQ = scale * ``acc`` (the kernel's fp32 accumulator, contiguous like q's shape) in q's dtype, laid out like
+    q (torch.empty_like): one Triton kernel on CUDA (``use_triton`` forces it), torch elsewhere."""
+    dq = torch.empty_like(q)
+    if not (acc.is_cuda if use_triton is None else use_triton):
+        return dq.copy_(acc * scale)
+    from . import bwd_rows_kernel as k
+
+    b, h, n, d = q.shape
+    if any(stride % 8 for size, stride in zip(q.shape[:3], dq.stride()[:3]) if size > 1) or dq.stride(-1) != 1:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q was not TMA-ready: a contiguous dq
+    if dq.numel():
+        launch(k.scale_dq, (-(-n // k.BLOCK_ROWS), b * h), (acc, dq, scale, n, h, *_units(dq)), _dims(d),
+               k.NUM_WARPS, k.NUM_STAGES, dtype_name=_DTYPE_NAMES[q.dtype])
+    return dq
+
+
+def _units(x: torch.Tensor) -> tuple[int, int, int]:
+    """The batch, head and row strides of a TMA-ready 16-bit (batch, heads, seqlen, head_dim) tensor in 16-byte
+    units, as bwd_rows_kernel takes them."""
+    strides = [0 if size == 1 else stride for size, stride in zip(x.shape[:3], x.stride()[:3])]  # size 1: unread
+    assert all(stride % 8 == 0 for stride in strides) and x.stride(-1) == 1, x.stride()
+    return tuple(stride // 8 for stride in strides)
+
+
+def _dims(head_dim: int) -> dict:
+    from . import bwd_rows_kernel as k
+
+    return {"BLOCK_ROWS": k.BLOCK_ROWS, "HEAD_DIM": head_dim, "D": _pow2(head_dim)}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def aot_builds(dtype: str, head_dim: int, arch: str = "sm90") -> list:
+    """The KernelBuilds `attnforge build` compiles for the Triton kernels around a backward of ``dtype`` and
+    ``head_dim`` (row statistics and the dQ scale), named as runtime.triton_launch looks them up."""
+    from ...runtime.triton_aot import KernelBuild
+    from . import bwd_rows_kernel as k
+
+    def build(kernel: str, constexprs: dict):
+        return KernelBuild(k.__file__, "bwd_rows_kernel", kernel, arch, dtype, _pow2(head_dim), False, k.NUM_WARPS,
+                           k.NUM_STAGES, signature=tuple(k.aot_signature(kernel, dtype).items()),
+                           constexprs=tuple(constexprs.items()), aligned=k.AOT_ALIGNED[kernel])
+
+    return [build("row_statistics", _dims(head_dim)), build("scale_dq", _dims(head_dim))]
 
 
 def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=None, dk=None, dv=None):
@@ -102,4 +175,4 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dk, dv, scale * LOG2_E, scale)
-    return (dq_accum * scale).to(q.dtype), dk, dv
+    return dq_from_accumulator(dq_accum, q, scale), dk, dv

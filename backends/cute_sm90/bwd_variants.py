@@ -44,22 +44,13 @@ class Sm90BwdTile:
     # ptxas serializes the WGMMAs (a wait after each) where it cannot keep their registers in flight; the compile
     # test fails on that unless the table accepts it here, with the measurement that kept the tile
     accepts_serialized_wgmma: bool = False
-    # dQ's TMA reduce-adds issued by a dedicated warp of the producer warpgroup (FlashAttention-3's dQ writer), so
-    # that a consumer warpgroup only waits for its staging buffer to be free, not for the other's writes to it
-    dq_warp: bool = True
-    # dK's WGMMA issued after dQ's, so that dQ's store into its staging buffer runs beside it (FlashAttention-3's
-    # order); else before the dS barrier between the consumer warpgroups
-    dk_last: bool = True
-    # dV's WGMMA issued once dS is in shared memory (FlashAttention-3's order), else as soon as P is computed
-    dv_late: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
         return self.tile_n // 64
 
     def module(self, head_dim: int) -> str:
-        flags = ("_w" if self.dq_warp else "") + ("_k" if self.dk_last else "") + ("_v" if self.dv_late else "")
-        return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{flags}"
+        return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}"
 
     def params(self, head_dim: int) -> dict:
         return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": head_dim}
@@ -103,15 +94,14 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
     return reasons
 
 
-# Register spill accepted (ptxas stack bytes, full/causal), with the speeds of benchmarks/results/
-# 2026-12-01-h200-cute_sm90-backward/stmatrix/: d=128 16/16 (two values kept across the loop), d=64 72/88 (P^T's
-# register A operand is partly reloaded around dV's WGMMA: 64 x 128 scores per warpgroup at 240 registers). At
-# d=64 ptxas also serializes the WGMMAs; the kernel still measured 440/419 TFLOP/s forward+backward at N=16k, as
-# fast as cuDNN's 442/435 and 1.14-1.18x triton_fa2's backward. A 64-row query block would free the registers,
-# but then dQ's 32 columns per warpgroup are below a 128-byte swizzle (check()).
+# Register spill accepted (ptxas stack bytes): d=64 8 (one value kept across the loop; 64 x 128 scores per
+# warpgroup at 240 registers), d=128 none. Measured forward+backward at N=16k (H200, bf16, TFLOP/s full/causal):
+# d=128 554/542, d=64 487/467, against FlashAttention-4's 614/576 and 523/516 and cuDNN's 536/527 and 446/430 in
+# the same run (benchmarks/results/2026-12-01-h200-cute_sm90-bwd-order/). A 64-row query block at d=64 would free
+# registers, but then dQ's 32 columns per warpgroup are below a 128-byte swizzle (check()).
 BWD: dict[int, list[Sm90BwdTile]] = {
-    64: [Sm90BwdTile(128, accepted_spill_bytes=88, accepts_serialized_wgmma=True)],
-    128: [Sm90BwdTile(64, accepted_spill_bytes=16)],
+    64: [Sm90BwdTile(128, accepted_spill_bytes=8)],
+    128: [Sm90BwdTile(64)],
 }
 
 

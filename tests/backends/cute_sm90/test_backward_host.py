@@ -2,6 +2,7 @@
 validity check, and what plan_backward says for problems it does not serve."""
 
 import math
+import pathlib
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from attnforge.backends.cute_sm90 import bwd_variants
 from attnforge.backends.cute_sm90.backward import row_statistics
 from attnforge import explain
+from attnforge.testing import run_interpreter_tests
 
 
 def test_row_statistics_are_log2_lse_and_delta_padded_to_whole_blocks(gen):
@@ -66,3 +68,8 @@ def test_a_forced_training_call_shows_its_backward_in_the_decision():
                 backend="cute_sm90")
     assert d.backward.backend == "cute_sm90" and not d.fallback
     assert "bwd 64x128" in str(d)
+
+
+def test_row_and_dq_kernels_in_the_interpreter():
+    """The Triton kernels before and after the backward kernel (interpreter/test_bwd_rows_interpreted.py)."""
+    run_interpreter_tests(pathlib.Path(__file__).parent / "interpreter" / "test_bwd_rows_interpreted.py")

@@ -65,3 +65,25 @@ def test_gradients_match_fp64(shape, dtype, causal, head_dim, gen):
 def test_large_scores_and_the_lse_gradient(head_dim, causal, gen):
     """Scores in the hundreds (q, k scaled by 4: a peaked softmax, P near 0 or 1) and a gradient on the LSE."""
     check_gradients((1, 4, 2, 333, 555), "bf16", head_dim, causal, gen, magnitude=4.0, with_dlse=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_and_dq_kernels_on_the_gpu(dtype, gen, poisoned_empty):
+    """The Triton kernels around the backward kernel, compiled for the GPU: delta and the log2 LSE against fp64
+    math, dQ the scaled accumulator rounded once to nearest even, in q's (bshd view) strides; outputs poisoned."""
+    from attnforge.backends.cute_sm90.backward import dq_from_accumulator, row_statistics
+
+    torch_dtype = DTYPES[dtype]
+    out, dout, q = (torch.randn(2, 113, 3, 128, generator=gen).to("cuda", torch_dtype).transpose(1, 2)
+                    for _ in range(3))
+    lse, dlse = (torch.randn(2, 3, 113, generator=gen).to("cuda") for _ in range(2))
+    lse[0, 1, 7] = -math.inf
+    lse2, delta = row_statistics(out, dout, lse, dlse, tile_m=64)
+    want = (out.double() * dout.double()).sum(-1) - dlse.double()
+    torch.testing.assert_close(delta[..., :113].double(), want, atol=1e-5, rtol=1e-5)
+    want_lse2 = torch.where(lse == -math.inf, math.inf, lse.double() * math.log2(math.e))
+    torch.testing.assert_close(lse2[..., :113].double(), want_lse2, atol=1e-6, rtol=1e-6)
+    assert (lse2[..., 113:] == math.inf).all() and (delta[..., 113:] == 0).all()
+    acc = 50 * torch.randn(2, 3, 113, 128, generator=gen).to("cuda")
+    dq = dq_from_accumulator(acc, q, 0.125)
+    assert dq.stride() == q.stride() and torch.equal(dq, (acc.double() * 0.125).to(torch_dtype))

@@ -1,0 +1,59 @@
+"""The Triton kernels around the cute_sm90 backward (backends/cute_sm90/bwd_rows_kernel.py) in Triton's
+interpreter on CPU, into poisoned (NaN) outputs, against fp64 math: the row statistics (log2 LSE, +inf for rows
+that saw no key, delta = rowsum(dO * O) - dLSE, padding rows +inf and 0) and dQ = scale * the accumulator in q's
+dtype and strides. Run by ../test_backward_host.py with TRITON_INTERPRET=1."""
+
+import math
+
+import pytest
+import torch
+
+from attnforge.backends.cute_sm90 import backward
+
+
+@pytest.mark.parametrize("seqlen", (1, 17, 113))
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("with_dlse", (False, True), ids=("no-dlse", "dlse"))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+def test_row_statistics_match_fp64(seqlen, head_dim, with_dlse, dtype, gen, poisoned_empty):
+    # (batch, seqlen, heads, head_dim) memory viewed as (batch, heads, seqlen, head_dim), as attention() passes it
+    out, dout = (torch.randn(2, seqlen, 3, head_dim, generator=gen).to(dtype).transpose(1, 2) for _ in range(2))
+    lse = torch.randn(2, 3, seqlen, generator=gen)
+    lse[1, 2, 0] = -math.inf  # a row that saw no key
+    dlse = torch.randn(2, 3, seqlen, generator=gen) if with_dlse else None
+    lse2, delta = backward.row_statistics(out, dout, lse, dlse, tile_m=64, use_triton=True)
+    padded = -(-seqlen // 64) * 64
+    assert lse2.shape == delta.shape == (2, 3, padded)
+    want = (out.double() * dout.double()).sum(-1) - (0 if dlse is None else dlse.double())
+    torch.testing.assert_close(delta[..., :seqlen].double(), want, atol=1e-5, rtol=1e-5)
+    expected_lse2 = lse.double() * math.log2(math.e)
+    expected_lse2[1, 2, 0] = math.inf
+    torch.testing.assert_close(lse2[..., :seqlen].double(), expected_lse2, atol=1e-6, rtol=1e-6)
+    assert (lse2[..., seqlen:] == math.inf).all() and (delta[..., seqlen:] == 0).all()
+
+
+def test_row_statistics_keep_nan(poisoned_empty):
+    out = torch.full((1, 1, 3, 64), 1.0, dtype=torch.bfloat16)
+    out[0, 0, 1, 5] = math.nan
+    lse2, delta = backward.row_statistics(out, torch.ones_like(out), torch.zeros(1, 1, 3), None, tile_m=64,
+                                          use_triton=True)
+    assert delta[0, 0, 1].isnan() and not delta[0, 0, [0, 2]].isnan().any() and not lse2.isnan().any()
+
+
+@pytest.mark.parametrize("seqlen", (1, 17, 113))
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+def test_dq_is_the_scaled_accumulator_in_q_layout(seqlen, head_dim, dtype, gen, poisoned_empty):
+    q = torch.randn(2, seqlen, 3, head_dim, generator=gen).to(dtype).transpose(1, 2)  # a bshd view
+    acc = 50 * torch.randn(2, 3, seqlen, head_dim, generator=gen)
+    acc[0, 1, 0, 3] = math.nan  # NaN stays NaN
+    dq = backward.dq_from_accumulator(acc, q, 0.125, use_triton=True)
+    same_layout = all(a == b for a, b, n in zip(dq.stride(), q.stride(), q.shape) if n > 1)  # size 1: any stride
+    assert dq.dtype == dtype and same_layout
+    assert torch.equal(dq.isnan(), acc.isnan())
+    finite = ~acc.isnan()
+    want = (acc.double() * 0.125).to(dtype)[finite]  # one rounding, to nearest even (cvt.rn on the GPU)
+    if dtype == torch.float16:
+        assert torch.equal(dq[finite], want)
+    else:  # the interpreter casts fp32 to bf16 by truncation (numpy has no bf16): within one bf16 ulp here
+        torch.testing.assert_close(dq[finite].double(), want.double(), rtol=2 ** -7, atol=0)
