@@ -5,7 +5,8 @@ own training step (autograd; the table's tile), cuDNN's SDPA and FlashAttention-
 triton.testing.do_bench medians, CUDA events, order rotated each round). Kernel speed, not model speed. FLOPs: 3.5x
 the forward's 4 * batch * heads * N^2 * d, halved causal (dispatch.costs.flop_count). Every candidate's gradients
 are first checked against fp64 math (testing.assert_close, the GPU tests' bound) on a small odd GQA shape; a
-candidate that fails is reported and not timed. The winners go into bwd_variants.py by hand, with this run's JSON
+candidate that fails is reported and not timed. Each tile is timed as it is and in its deterministic=True form
+(dQ added in key-block order): the cost of reproducibility. The winners go into bwd_variants.py by hand, with this run's JSON
 committed beside them.
 
     python benchmarks/sweep_bwd_sm90.py [--head-dim 64,128] [--seqlen 16384] [--tokens 16384] [--rounds 3]
@@ -25,7 +26,7 @@ import torch
 
 import attnforge
 from attnforge.backends.cute_sm90 import backward
-from attnforge.backends.cute_sm90.bwd_variants import BWD, Sm90BwdTile, check
+from attnforge.backends.cute_sm90.bwd_variants import BWD, check
 from attnforge.bench import impls, measure
 from attnforge.dispatch import costs
 from attnforge.runtime import cute
@@ -36,8 +37,8 @@ from attnforge.testing import assert_close, oracle, peer_error
 CANDIDATES = {d: list(tiles) for d, tiles in BWD.items()}
 
 
-def label(tile: Sm90BwdTile) -> str:
-    return f"bwd {tile.describe()}"
+def label(variant) -> str:
+    return f"bwd {variant.tile.describe()}" + (" deterministic" if variant.deterministic else "")
 
 
 def _build(build) -> str:
@@ -93,7 +94,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     dims = [int(d) for d in args.head_dim.split(",")]
-    variants = {(d, causal): [backward.Sm90BwdVariant(t, d, "bf16", causal) for t in CANDIDATES[d]]
+    variants = {(d, causal): [backward.Sm90BwdVariant(t, d, "bf16", causal, det) for t in CANDIDATES[d]
+                              for det in (False, True)]
                 for d in dims for causal in (False, True)}
     for (d, _), vs in variants.items():
         for v in vs:
@@ -119,7 +121,7 @@ def main() -> None:
                 def attnforge_step(q, k, v):
                     return attnforge.attention(q, k, v, causal=causal, scale=scale, layout="bshd", backend="cute_sm90")
 
-                runners = {label(var.tile): candidate_step(var, q, k, v, dout, scale)
+                runners = {label(var): candidate_step(var, q, k, v, dout, scale)
                            for var in variants[d, causal] if failed[var.name] is None}
                 runners["attnforge (table)"] = measure.step(attnforge_step, q, k, v, dout, "fwd+bwd")
                 for peer in ("sdpa-cudnn", "fa4"):

@@ -118,7 +118,7 @@ def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...], f
         if why:
             return Choice(None, None, (Candidate(fwd.name, REJECTED, tuple(why)),))
         return Choice(fwd.name, None, (Candidate(fwd.name, CHOSEN),),
-                      note=f"torch autograd through its forward, {fwd.support.reproducibility}")
+                      note=f"torch autograd through its forward, {fwd.support.reproducibility(problem)}")
     fp8 = problem.dtype == "fp8"
     if fp8:
         problem = dataclasses.replace(problem, dtype=FP8_BACKWARD_DTYPE)
@@ -147,7 +147,7 @@ def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...], f
         name, variant, candidates = _rank(order, verdict)
     notes = [f"in {FP8_BACKWARD_DTYPE} on the dequantised fp8 inputs: there is no FP8 backward"] if fp8 and name else []
     if name:
-        notes.append(registry.registered()[name].support.reproducibility)
+        notes.append(registry.registered()[name].support.reproducibility(problem))
     return Choice(name, variant, candidates, "; ".join(notes))
 
 

@@ -28,8 +28,10 @@ class Support:
     dropout: bool = True
     return_lse: bool = True
     backward: bool = True
-    # why its backward is not bitwise reproducible from run to run ("": it is); deterministic=True refuses it then
+    # why its backward is not bitwise reproducible from run to run ("": it is); deterministic=True refuses it then,
+    # unless it has a reproducible mode that deterministic=True selects (what that mode does, or "": none)
     nondeterministic_backward: str = ""
+    deterministic_backward: str = ""
     empty: bool = True  # zero-sized batch, heads or sequence
 
     def reasons(self, p: Problem) -> list[str]:
@@ -80,14 +82,18 @@ class Support:
 
     def determinism_reasons(self, p: Problem) -> list[str]:
         """With deterministic=True: why its backward does not serve (it is not bitwise reproducible)."""
-        if p.deterministic and self.nondeterministic_backward:
+        if p.deterministic and self.nondeterministic_backward and not self.deterministic_backward:
             return [f"deterministic=True: its backward is not bitwise reproducible ({self.nondeterministic_backward})"]
         return []
 
-    @property
-    def reproducibility(self) -> str:
-        """Whether its backward is bitwise reproducible, in words for the Decision."""
-        return "not bitwise reproducible" if self.nondeterministic_backward else "bitwise reproducible"
+    def reproducibility(self, p: Problem) -> str:
+        """Whether its backward of ``p`` is bitwise reproducible, in words for the Decision."""
+        if not self.nondeterministic_backward:
+            return "bitwise reproducible"
+        if p.deterministic:
+            return f"bitwise reproducible ({self.deterministic_backward})"
+        return "not bitwise reproducible" + (f" (deterministic=True: {self.deterministic_backward})"
+                                             if self.deterministic_backward else "")
 
 
 def _join(items) -> str:

@@ -10,17 +10,24 @@ from attnforge import InvalidInputError, explain
 from attnforge.dispatch import select
 
 
-def test_forcing_cute_sm90_with_deterministic_takes_a_reproducible_backward():
+def test_forcing_cute_sm90_with_deterministic_takes_its_reproducible_kernel():
     d = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=2048, heads=8, needs_grad=True,
                 backend="cute_sm90", deterministic=True)
-    assert d.forward.backend == "cute_sm90" and d.backward.backend == "triton_fa2"
-    (reason,) = d.backward.reasons_of("cute_sm90")
-    assert reason == ("deterministic=True: its backward is not bitwise reproducible (dQ is summed by TMA "
-                      "reduce-add in the order the CTAs reach it)")
-    assert "bitwise reproducible" in d.backward.note and "not bitwise" not in d.backward.note
+    assert d.forward.backend == "cute_sm90" and d.backward.backend == "cute_sm90"
+    assert d.backward.variant.deterministic and "key-block order" in d.backward.variant.describe()
+    assert d.backward.note == "bitwise reproducible (dQ summed in key-block order)"
     default = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=2048, heads=8, needs_grad=True,
                       backend="cute_sm90")
-    assert default.backward.backend == "cute_sm90" and "not bitwise reproducible" in default.backward.note
+    assert default.backward.backend == "cute_sm90" and not default.backward.variant.deterministic
+    assert default.backward.note == "not bitwise reproducible (deterministic=True: dQ summed in key-block order)"
+
+
+def test_forcing_cute_sm90_with_deterministic_where_its_backward_does_not_serve():
+    """d=96 has no cute_sm90 backward: the next backward that is reproducible (triton_fa2's, no atomics) runs."""
+    d = explain(device="H100", dtype="bf16", head_dim=96, seqlen_q=2048, heads=8, needs_grad=True,
+                backend="cute_sm90", deterministic=True)
+    assert d.forward.backend == "cute_sm90" and d.backward.backend == "triton_fa2"
+    assert d.backward.note == "bitwise reproducible"
 
 
 @pytest.mark.cost_tables

@@ -112,6 +112,7 @@ class CuteSm90Backend(Backend):
         dropout=False,  # no Philox mask in the kernel; sdpa serves dropout
         empty=False,  # zero-sized grids; reference serves empty problems
         nondeterministic_backward="dQ is summed by TMA reduce-add in the order the CTAs reach it",
+        deterministic_backward="dQ summed in key-block order",
     )
 
     def available(self) -> list[str]:
@@ -138,7 +139,7 @@ class CuteSm90Backend(Backend):
         reasons += why
         if reasons:
             return None, reasons
-        return bwd.Sm90BwdVariant(tile, problem.head_dim, problem.dtype, problem.causal), []
+        return bwd.Sm90BwdVariant(tile, problem.head_dim, problem.dtype, problem.causal, problem.deterministic), []
 
     def passed_over_backward(self, problem: Problem) -> list[str]:
         """Automatic dispatch takes this backward only where the arch's cost table measures the pairing (see

@@ -22,38 +22,42 @@ FACTORY = f"{__name__}:compile_arguments"  # what runtime.cute calls to trace a 
 
 @dataclasses.dataclass(frozen=True)
 class Sm90BwdVariant(CuteVariant):
-    """One compiled cute_sm90 backward: a backward tile of the table for a head dim, dtype and causality."""
+    """One compiled cute_sm90 backward: a backward tile of the table for a head dim, dtype and causality;
+    ``deterministic``: its dQ reduce-adds ordered by key block (bitwise reproducible)."""
 
     tile: bwd_variants.Sm90BwdTile
     head_dim: int
     dtype: str
     causal: bool
+    deterministic: bool = False
     compile_module = cc
 
     @property
     def module(self) -> str:
-        return self.tile.module(self.head_dim)
+        return self.tile.module(self.head_dim) + ("_det" if self.deterministic else "")
 
     @property
     def source(self) -> Source:
-        return Source.of(TEMPLATE, self.tile.params(self.head_dim), self.module)
+        return Source.of(TEMPLATE, {**self.tile.params(self.head_dim), "deterministic": self.deterministic},
+                         self.module)
 
     factory = FACTORY
 
     def describe(self) -> str:
-        return f"bwd {self.tile.describe()}"
+        return f"bwd {self.tile.describe()}" + (", dQ summed in key-block order" if self.deterministic else "")
 
 
 def fake_arguments(dtype: str, head_dim: int, arch: str):
     """Fake arguments for cute.compile, in __call__'s order: q, k, v, dout (batch, heads, seqlen, head_dim) with
     symbolic sizes and 16-byte aligned strides, the LSE (log2) and delta (batch, heads, seqlen_q padded), the
-    fp32 dQ accumulator (batch, heads, seqlen_q, head_dim), dk, dv, scale_log2, scale and the stream."""
+    fp32 dQ accumulator (batch, heads, seqlen_q, head_dim), the int32 dQ order counts (batch, heads, query
+    blocks; read by the deterministic kernels only), dk, dv, scale_log2, scale and the stream."""
     cutlass = cute.import_cutlass(arch)
     import cutlass.cute as cute_dsl
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     element, _ = elements(dtype, arch)
-    batch, heads_q, heads_kv, seqlen_q, seqlen_k, padded_q = (cute_dsl.sym_int32() for _ in range(6))
+    batch, heads_q, heads_kv, seqlen_q, seqlen_k, padded_q, q_blocks = (cute_dsl.sym_int32() for _ in range(7))
 
     def tensor(elem, *shape):
         strides = [cute_dsl.sym_int64(divisibility=16 // (elem.width // 8)) for _ in range(3)]
@@ -68,7 +72,9 @@ def fake_arguments(dtype: str, head_dim: int, arch: str):
     k, v = tensor(element, batch, heads_kv, seqlen_k, head_dim), tensor(element, batch, heads_kv, seqlen_k, head_dim)
     dk, dv = tensor(element, batch, heads_kv, seqlen_k, head_dim), tensor(element, batch, heads_kv, seqlen_k, head_dim)
     dq_accum = tensor(cutlass.Float32, batch, heads_q, seqlen_q, head_dim)
-    return (q, k, v, dout, rows(), rows(), dq_accum, dk, dv, cutlass.Float32(1.0), cutlass.Float32(1.0),
+    dq_order = make_fake_tensor(cutlass.Int32, (batch, heads_q, q_blocks),
+                                (cute_dsl.sym_int64(), cute_dsl.sym_int64(), 1), assumed_align=4)
+    return (q, k, v, dout, rows(), rows(), dq_accum, dq_order, dk, dv, cutlass.Float32(1.0), cutlass.Float32(1.0),
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
@@ -172,7 +178,10 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     q, k, v, dout = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(dout)
     lse2, delta = row_statistics(out, dout, lse, dlse, variant.tile.tile_m)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # deterministic: how many key blocks have added into each query block's dQ (else unread: one per head)
+    blocks = lse2.shape[-1] // variant.tile.tile_m if variant.deterministic else 1
+    dq_order = torch.zeros((*q.shape[:2], blocks), dtype=torch.int32, device=q.device)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dk, dv, scale * LOG2_E, scale)
+    variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dq_order, dk, dv, scale * LOG2_E, scale)
     return dq_from_accumulator(dq_accum, q, scale), dk, dv

@@ -27,6 +27,8 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
 ALL = registered()["cute_sm90"].variants()  # every variant the planner can pick: what `attnforge build` compiles
 VARIANTS = [v for v in ALL if isinstance(v, Sm90Variant)]
 BWD_VARIANTS = [v for v in ALL if isinstance(v, Sm90BwdVariant)]
+# deterministic=True's kernels (compiled on first use, not by `attnforge build`), in one dtype
+DETERMINISTIC = [dataclasses.replace(v, deterministic=True) for v in BWD_VARIANTS if v.dtype == "bf16"]
 
 
 def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
@@ -85,7 +87,7 @@ def test_disk_cache_builds_once_and_keys_on_the_variant(tmp_path):
     assert cute.cache_path(Sm90Variant(other_tile, other_kind, other_dim, "bf16", False).build, tmp_path) != path
 
 
-@pytest.mark.parametrize("variant", BWD_VARIANTS, ids=[v.name for v in BWD_VARIANTS])
+@pytest.mark.parametrize("variant", BWD_VARIANTS + DETERMINISTIC, ids=[v.name for v in BWD_VARIANTS + DETERMINISTIC])
 def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_path, variant):
     tile, head_dim = variant.tile, variant.head_dim
     cute.compile_to(variant.build, str(tmp_path))
@@ -105,3 +107,6 @@ def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_p
     assert (waits < mmas / 2) != tile.accepts_serialized_wgmma, f"{waits} waits for {mmas} WGMMAs"  # as the table says
     usage = resources(cubin.read_bytes())
     assert usage["stack_bytes"] <= tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage
+    # deterministic: the dQ warp's acquire loads of a query block's count and its release add; in the others neither
+    ordered = [bool(re.search(rf"\b{op}\S*\.STRONG\.GPU", sass)) for op in ("LDG", "REDG")]
+    assert ordered == [variant.deterministic] * 2, ordered

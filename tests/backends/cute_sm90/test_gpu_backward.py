@@ -19,16 +19,16 @@ SHAPES = [(1, 2, 2, 1, 1), (2, 3, 3, 17, 17), (1, 4, 2, 113, 1023), (1, 4, 1, 10
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def planned(dtype: str, head_dim: int, causal: bool):
-    """The backward Variant the planner makes for (dtype, head_dim, causal)."""
+def planned(dtype: str, head_dim: int, causal: bool, deterministic: bool = False):
+    """The backward Variant the planner makes for (dtype, head_dim, causal, deterministic)."""
     from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
 
     tile, why = bwd_variants.pick(head_dim)
     assert tile is not None, why
-    return Sm90BwdVariant(tile, head_dim, dtype, causal)
+    return Sm90BwdVariant(tile, head_dim, dtype, causal, deterministic)
 
 
-def check_gradients(shape, dtype, head_dim, causal, gen, *, magnitude=1.0, with_dlse=False):
+def check_gradients(shape, dtype, head_dim, causal, gen, *, magnitude=1.0, with_dlse=False, deterministic=False):
     from attnforge.backends.cute_sm90.backward import run
 
     b, hq, hkv, nq, nk = shape
@@ -41,13 +41,18 @@ def check_gradients(shape, dtype, head_dim, causal, gen, *, magnitude=1.0, with_
     ref_out, ref_lse, ref_grads = oracle(q, k, v, causal=causal, dout=dout, dlse=dlse)
     _, peer_grads = peer_error(q, k, v, causal=causal, dout=dout, dlse=dlse)
     dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-    dq, dk, dv = run(planned(dtype, head_dim, causal), q, k, v, ref_out.to(torch_dtype), ref_lse.float(), dout, scale,
-                     dlse=dlse, dk=dk, dv=dv)
+    variant = planned(dtype, head_dim, causal, deterministic)
+    dq, dk, dv = run(variant, q, k, v, ref_out.to(torch_dtype), ref_lse.float(), dout, scale, dlse=dlse, dk=dk, dv=dv)
     ulps = 8 * math.sqrt(max(nq, nk, head_dim))
     for name, x, ref, peer in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, peer_grads):
         assert_close(name, x, ref, peer, ulps=ulps)
     if causal and nq > nk:
         assert (dq[:, :, :nq - nk] == 0).all()
+    if deterministic:  # again, into fresh poisoned outputs: the same bits
+        again = run(variant, q, k, v, ref_out.to(torch_dtype), ref_lse.float(), dout, scale, dlse=dlse,
+                    dk=torch.full_like(k, float("nan")), dv=torch.full_like(v, float("nan")))
+        for name, x, y in zip(("dq", "dk", "dv"), (dq, dk, dv), again):
+            assert torch.equal(x, y), f"{name} differs between two deterministic runs"
 
 
 DTYPE_HEAD_DIMS = [(dtype, d) for d in bwd_variants.HEAD_DIMS for dtype in DTYPES]
@@ -58,6 +63,16 @@ DTYPE_HEAD_DIMS = [(dtype, d) for d in bwd_variants.HEAD_DIMS for dtype in DTYPE
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gradients_match_fp64(shape, dtype, causal, head_dim, gen):
     check_gradients(shape, dtype, head_dim, causal, gen)
+
+
+@pytest.mark.parametrize("head_dim", bwd_variants.HEAD_DIMS)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("shape", [(2, 6, 2, 1023, 1023), (1, 4, 2, 113, 1023), (1, 4, 1, 1023, 113)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_deterministic_gradients_match_fp64_and_repeat_bit_for_bit(shape, head_dim, causal, gen):
+    """deterministic=True's kernel (dQ added in key-block order): right, and the same bits twice; many key blocks
+    per query block (1023 keys: 8), GQA, both seqlen orders with bottom-right causal."""
+    check_gradients(shape, "bf16", head_dim, causal, gen, deterministic=True)
 
 
 @pytest.mark.parametrize("head_dim", bwd_variants.HEAD_DIMS)
