@@ -21,9 +21,8 @@ HEAD_DIMS = (64, 128)
 # has no entries for it yet; `attnforge tune --costs` on an H100/H200 measures it (it forces each backend).
 PLAN = "cute_sm90+cute_sm90"
 NOT_AUTO_BECAUSE = ("the cost table does not measure its pairing (cute_sm90+cute_sm90) for this problem yet; at "
-                    "N=16k it measured slower than cuDNN's SDPA forward+backward though 1.13-1.18x triton_fa2's "
-                    "after this forward (H200, bf16, forward+backward TFLOP/s full/causal: d=128 534/516 vs cuDNN "
-                    "563/542, d=64 440/419 vs 442/435; benchmarks/results/2026-12-01-h200-cute_sm90-backward/); "
+                    "N >= 4k it measured 0.97-1.16x cuDNN's SDPA forward+backward and 0.88-0.97x FlashAttention-4's "
+                    "(H200, bf16; docs/performance.md, benchmarks/results/2026-12-01-h200-cute_sm90-bwd-order/); "
                     "backend='cute_sm90' runs it")
 # Per consumer thread beyond the accumulators and P: addresses, loop state, the LSE and delta of its columns.
 # A rough figure: ptxas decides, and the compile test fails on a spill the table does not accept.
