@@ -140,7 +140,9 @@ def merge_documents(docs: list[dict], where: list[str]) -> dict:
             if key not in seen:
                 seen.add(key)
                 entries.append(entry)
-    parts = [{k: doc.get(k) for k in ("measured", "command", "commit", "versions")} for doc in docs]
+    # a document merged before brings its own parts
+    parts = [part for doc in docs for part in doc.get("parts") or [{k: doc.get(k) for k in ("measured", "command",
+                                                                                          "commit", "versions")}]]
     first = docs[0]
     merged = {**first, "measured": max(doc["measured"] for doc in docs),
               "command": " + ".join(doc["command"] for doc in docs), "commit": first.get("commit"),

@@ -33,14 +33,29 @@ def test_forcing_cute_sm90_with_deterministic_where_its_backward_does_not_serve(
 @pytest.mark.cost_tables
 def test_auto_training_leaves_sdpa_whose_backward_is_torchs():
     select.decide.cache_clear()
-    shape = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=16384, batch=1, heads=16, causal=True,
+    shape = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=1024, batch=16, heads=16, causal=True,
                  needs_grad=True)
-    assert explain(**shape).forward.backend == "sdpa"  # the measured fastest pair
+    assert explain(**shape).forward.backend == "sdpa"  # the measured fastest pair at N=1k causal
     d = explain(**shape, deterministic=True)
-    assert d.ok and d.forward.backend != "sdpa" and d.backward.backend == "triton_fa2"
+    assert d.ok and d.forward.backend != "sdpa" and d.backward.note.startswith("bitwise reproducible")
     (reason,) = d.forward.reasons_of("sdpa")
     assert reason.startswith("deterministic=True: its backward is not bitwise reproducible (torch's SDPA kernel")
     assert "deterministic" in d.problem.describe()
+
+
+@pytest.mark.cost_tables
+def test_auto_training_takes_cute_sm90s_deterministic_kernel_where_its_pair_measured_fastest():
+    """At N=16k causal the measured fastest pair is cute_sm90's forward and backward; deterministic=True keeps the
+    pair, with the kernel that adds dQ in key-block order."""
+    select.decide.cache_clear()
+    shape = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=16384, batch=1, heads=16, causal=True,
+                 needs_grad=True)
+    default = explain(**shape)
+    assert (default.forward.backend, default.backward.backend) == ("cute_sm90", "cute_sm90")
+    assert not default.backward.variant.deterministic
+    d = explain(**shape, deterministic=True)
+    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "cute_sm90") and d.backward.variant.deterministic
+    assert d.backward.note == "bitwise reproducible (dQ summed in key-block order)"
 
 
 def test_inference_is_unaffected():

@@ -18,9 +18,10 @@ HEAD_DIMS = (64, 128)
 # Automatic dispatch takes this backward (a forced cute_sm90 always runs it) where the arch's measured cost table
 # (dispatch/costs/<arch>.json) covers the pairing PLAN for the problem, which then competes with the other
 # measured plans; elsewhere it is passed over with this reason, which the Decision quotes. The shipped sm90 table
-# has no entries for it yet; `attnforge tune --costs` on an H100/H200 measures it (it forces each backend).
+# measures it at head dims 64 and 128 with 16k tokens per call (`attnforge tune --costs --head-dim 64,128 --tokens
+# 16384` on the H200, merged in by `--merge`); `attnforge tune --costs` measures it wherever it runs.
 PLAN = "cute_sm90+cute_sm90"
-NOT_AUTO_BECAUSE = ("the cost table does not measure its pairing (cute_sm90+cute_sm90) for this problem yet; at "
+NOT_AUTO_BECAUSE = ("the cost table does not measure its pairing (cute_sm90+cute_sm90) for this problem; at "
                     "N >= 4k it measured 0.97-1.16x cuDNN's SDPA forward+backward and 0.88-0.97x FlashAttention-4's "
                     "(H200, bf16; docs/performance.md, benchmarks/results/2026-12-01-h200-cute_sm90-bwd-order/); "
                     "backend='cute_sm90' runs it")

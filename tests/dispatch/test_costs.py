@@ -209,6 +209,12 @@ def test_tables_measured_in_parts_merge_with_the_first_entry_winning(tmp_path, c
         ("cute_sm90", "fwd", 600.0), ("sdpa", "fwd", 500.0), ("sdpa", "fwd+bwd", 300.0)]
     assert merged["measured"] == "2026-12-02" and [p["measured"] for p in merged["parts"]] == ["2026-12-01", "2026-12-02"]
     costs.parse(merged, "merged")
+    third = doc({"plan": "triton_fa2", "mode": "fwd", "tflops": 200.0})
+    third.update(measured="2026-12-03")
+    (tmp_path / "c.json").write_text(json.dumps(third))
+    assert main(["tune", "--costs", "--merge", str(tmp_path / "c.json"), str(out), "--out", str(tmp_path / "n.json")]) == 0
+    nested = json.loads((tmp_path / "n.json").read_text())  # a merged table's parts are kept, not folded into one
+    assert [p["measured"] for p in nested["parts"]] == ["2026-12-03", "2026-12-01", "2026-12-02"]
     other = dict(second, device="NVIDIA H200")
     paths[1].write_text(json.dumps(other))
     assert main(["tune", "--costs", "--merge", *map(str, paths), "--out", str(out)]) == 2
