@@ -246,7 +246,8 @@ def _build_items(args) -> list:
     for name in names:
         b = backends[name]
         missing = b.available()
-        planned = b.variants(args.target, args.dtype, args.head_dim, causal, strict=args.backend == name and not missing)
+        planned = b.variants(args.target, args.dtype, args.head_dim, causal, strict=args.backend == name and not missing,
+                             deterministic=args.deterministic)
         if missing and planned:
             if args.backend == name:
                 raise ValueError(f"{name} cannot build here: " + "; ".join(missing))
@@ -450,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", type=_csv(str), default=("fp16", "bf16"), help="comma list: fp16, bf16, fp8 (cute_sm90)")
     p.add_argument("--head-dim", type=_csv(int), default=None, help="default: every head dim of the variant table")
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
+    p.add_argument("--deterministic", action="store_true",
+                   help="also the kernels deterministic=True runs (cute_sm90's backward with dQ in key-block order)")
     p.add_argument("--out", help="cache folder (default $ATTNFORGE_CACHE_DIR or ~/.cache/attnforge)")
     p.add_argument("--list", action="store_true", help="list what would be built, build nothing")
     p.add_argument("--keep-asm", action="store_true", help="write PTX and SASS next to each kernel (Triton and CuTe)")

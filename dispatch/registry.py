@@ -72,11 +72,13 @@ class Backend:
         """Reasons this backend cannot run in this process at all (a missing package, say)."""
         return []
 
-    def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False) -> list[Variant]:
+    def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
+                 deterministic=False) -> list[Variant]:
         """Every Variant the planner can pick on ``archs`` (default: every arch it has tables for) for these
         dtypes, head dims and causal flags: what `attnforge build` compiles, `attnforge codegen` renders
         and the tests run. ``strict``: a requested dtype or head dim with no kernel is an error (ValueError
-        with the reasons) instead of being left out. Backends with nothing to build return none."""
+        with the reasons) instead of being left out. ``deterministic``: also the kernels deterministic=True runs,
+        where a backend has separate ones. Backends with nothing to build return none."""
         return []
 
     def builds(self, variant: Variant) -> list:

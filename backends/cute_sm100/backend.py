@@ -67,7 +67,8 @@ class CuteSm100Backend(Backend):
             return None, reasons
         return Sm100Variant(tile, problem.head_dim, problem.dtype, problem.causal), []
 
-    def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False) -> list[Sm100Variant]:
+    def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
+                 deterministic=False) -> list[Sm100Variant]:
         if archs is not None and "sm100" not in archs:
             return []
         out = []

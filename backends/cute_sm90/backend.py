@@ -159,7 +159,8 @@ class CuteSm90Backend(Backend):
         return [f"triton_fa2 measured faster at head_dim {problem.head_dim} with {lo} <= seqlen_k < {hi} "
                 f"({measured}; see backends/cute_sm90/variants.py)"]
 
-    def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False) -> list[Sm90Variant]:
+    def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
+                 deterministic=False) -> list[Sm90Variant]:
         if archs is not None and "sm90" not in archs:
             return []
         out = []
@@ -177,7 +178,8 @@ class CuteSm90Backend(Backend):
                 out += [Sm90Variant(tile, cc.KIND[dtype], head_dim, dtype, flag) for flag in causal]
                 back, _ = bwd_variants.pick(head_dim) if cc.KIND[dtype] == "16bit" else (None, ())
                 if back is not None:
-                    out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag) for flag in causal]
+                    modes = (False, True) if deterministic else (False,)
+                    out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, det) for det in modes for flag in causal]
         return out
 
     def builds(self, variant: Sm90Variant | bwd.Sm90BwdVariant) -> list:

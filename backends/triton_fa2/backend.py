@@ -142,7 +142,8 @@ class TritonFA2Backend(Backend):
     def _plan_backward(self, problem: Problem) -> Planned:
         return self._plan_family(problem, "bwd")
 
-    def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False) -> list[TritonVariant]:
+    def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
+                 deterministic=False) -> list[TritonVariant]:
         own = self.variants_table.FWD
         out = []
         for arch in (own if archs is None else [a for a in archs if a in own]):

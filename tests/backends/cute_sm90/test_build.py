@@ -63,6 +63,18 @@ def test_build_all_leaves_out_head_dims_a_cute_backend_has_no_kernel_for(capsys)
     assert "head_dim 96 has no cute_sm90 kernel for fp8" in capsys.readouterr().err
 
 
+def test_build_deterministic_adds_the_reproducible_backward_kernels(capsys):
+    from attnforge.cli import main
+
+    args = ["build", "--target", "sm90", "--backend", "cute_sm90", "--dtype", "bf16", "--head-dim", "128", "--list"]
+    assert main(args) == 0
+    default = capsys.readouterr().out
+    assert main([*args, "--deterministic"]) == 0
+    both = capsys.readouterr().out
+    assert "_det." not in default and both.count("bwd_16bit_d128_m64_n128_s2_det.bf16.") == 2  # full and causal
+    assert set(default.splitlines()[:-1]) < set(both.splitlines()[:-1])
+
+
 @needs_cute
 def test_prebuilt_kernel_is_loaded_not_compiled(tmp_path):
     env = dict(os.environ, ATTNFORGE_CACHE_DIR=str(tmp_path))

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
 ALL = registered()["cute_sm90"].variants()  # every variant the planner can pick: what `attnforge build` compiles
 VARIANTS = [v for v in ALL if isinstance(v, Sm90Variant)]
 BWD_VARIANTS = [v for v in ALL if isinstance(v, Sm90BwdVariant)]
-# deterministic=True's kernels (compiled on first use, not by `attnforge build`), in one dtype
-DETERMINISTIC = [dataclasses.replace(v, deterministic=True) for v in BWD_VARIANTS if v.dtype == "bf16"]
+# deterministic=True's kernels (`attnforge build --deterministic`), in one dtype
+DETERMINISTIC = [v for v in registered()["cute_sm90"].variants(dtypes=("bf16",), deterministic=True)
+                 if isinstance(v, Sm90BwdVariant) and v.deterministic]
 
 
 def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
