@@ -1,7 +1,8 @@
 """On an H100/H200: the cute_sm90 backward against fp64 math on fresh random inputs, from the fp64 forward's
 output (rounded to the dtype) and LSE, with dK and dV poisoned (NaN) before the call so any element the kernel
 fails to write shows. Odd lengths, GQA/MQA, seqlen_q != seqlen_k both ways with bottom-right causal (rows that
-see no key: dQ 0), large-magnitude scores, the LSE's own gradient, every head dim of the backward table."""
+see no key: dQ 0), large-magnitude scores, the LSE's own gradient, every head dim of the backward table; the
+deterministic kernel twice, bit for bit; the Triton kernels before and after it."""
 
 import math
 
