@@ -90,7 +90,7 @@ class Support:
         """Whether its backward of ``p`` is bitwise reproducible, in words for the Decision."""
         if not self.nondeterministic_backward:
             return "bitwise reproducible"
-        if p.deterministic:
+        if p.deterministic and self.deterministic_backward:
             return f"bitwise reproducible ({self.deterministic_backward})"
         return "not bitwise reproducible" + (f" (deterministic=True: {self.deterministic_backward})"
                                              if self.deterministic_backward else "")
