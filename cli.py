@@ -232,6 +232,22 @@ def _codegen(args) -> int:
 BUILD_TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "gfx90a", "gfx942", "gfx950")
 
 
+BUILD_FEATURES = ("window", "softcap", "sinks", "alibi")  # the Triton kernels' feature flags (LOCAL, SOFTCAP, ...)
+
+
+def _feature_sets(text: str) -> tuple[frozenset, ...]:
+    """--features: "window,softcap,window+softcap" -> the feature sets, each checked against BUILD_FEATURES."""
+    sets = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kinds = frozenset(name.strip() for name in item.split("+"))
+        unknown = sorted(kinds - set(BUILD_FEATURES))
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown feature {', '.join(unknown)} in {item!r}; features: "
+                                             f"{', '.join(BUILD_FEATURES)}")
+        sets.append(kinds)
+    return tuple(sets)
+
+
 def _build_items(args) -> list:
     """What `attnforge build` compiles: every build item of every variant the chosen backends can pick on the
     targets, in order, without repeats. With --backend all, a backend skips the dtypes and head dims it has no
@@ -247,7 +263,7 @@ def _build_items(args) -> list:
         b = backends[name]
         missing = b.available()
         planned = b.variants(args.target, args.dtype, args.head_dim, causal, strict=args.backend == name and not missing,
-                             deterministic=args.deterministic)
+                             deterministic=args.deterministic, features=args.features)
         if missing and planned:
             if args.backend == name:
                 raise ValueError(f"{name} cannot build here: " + "; ".join(missing))
@@ -453,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
     p.add_argument("--deterministic", action="store_true",
                    help="also the kernels deterministic=True runs (cute_sm90's backward with dQ in key-block order)")
+    p.add_argument("--features", type=_feature_sets, default=(),
+                   help="also the kernels of these variants: a comma list of feature sets, each a +-joined set of "
+                        f"{', '.join(BUILD_FEATURES)} (window+softcap: both in one kernel); triton_fa2/triton_rocm")
     p.add_argument("--out", help="cache folder (default $ATTNFORGE_CACHE_DIR or ~/.cache/attnforge)")
     p.add_argument("--list", action="store_true", help="list what would be built, build nothing")
     p.add_argument("--keep-asm", action="store_true", help="write PTX and SASS next to each kernel (Triton and CuTe)")

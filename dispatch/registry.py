@@ -73,12 +73,14 @@ class Backend:
         return []
 
     def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
-                 deterministic=False) -> list[Variant]:
+                 deterministic=False, features=()) -> list[Variant]:
         """Every Variant the planner can pick on ``archs`` (default: every arch it has tables for) for these
         dtypes, head dims and causal flags: what `attnforge build` compiles, `attnforge codegen` renders
         and the tests run. ``strict``: a requested dtype or head dim with no kernel is an error (ValueError
         with the reasons) instead of being left out. ``deterministic``: also the kernels deterministic=True runs,
-        where a backend has separate ones. Backends with nothing to build return none."""
+        where a backend has separate ones. ``features``: also the kernels of these feature sets (each a frozenset
+        of "window", "softcap", "sinks", "alibi"), where a backend has kernels of its own for them. Backends with nothing to build
+        return none."""
         return []
 
     def builds(self, variant: Variant) -> list:

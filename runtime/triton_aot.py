@@ -70,8 +70,10 @@ class KernelBuild:
         return GPUTarget("cuda", int(self.arch.removeprefix("sm")), 32)
 
     def name(self) -> str:
+        """module.kernel.arch.dtype.d<head dim>.causal|full, then the feature flags it is built with (.local, ...)."""
+        flags = "".join(f".{name.lower()}" for name, on in self.constexprs if on is True and name != "CAUSAL")
         return (f"{self.module}.{self.kernel}.{self.arch}.{self.dtype}.d{self.head_dim or 'any'}."
-                f"{'causal' if self.causal else 'full'}")
+                f"{'causal' if self.causal else 'full'}{flags}")
 
 
 _file_modules: dict[str, object] = {}
@@ -117,12 +119,13 @@ def compile_kernel(build: KernelBuild):
 
 
 def fingerprint(build: KernelBuild) -> str:
-    """The cache key: attnforge version, the kernel file's source, Triton version, target and variant."""
+    """The cache key: attnforge version, the kernel file's source, Triton version, target and variant, with every
+    constexpr (two builds of one kernel that differ only in a feature flag, LOCAL say, are two entries)."""
     import triton
 
     h = hashlib.sha256()
     for part in (__version__, triton.__version__, "1" if fp_fusion() else "0", build.name(),
-                 str(build.num_warps), str(build.num_stages), repr(build.options)):
+                 str(build.num_warps), str(build.num_stages), repr(build.options), repr(sorted(build.constexprs))):
         h.update(part.encode() + b"\0")
     h.update(pathlib.Path(build.path).read_bytes())
     return h.hexdigest()[:32]

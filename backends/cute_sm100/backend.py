@@ -68,7 +68,7 @@ class CuteSm100Backend(Backend):
         return Sm100Variant(tile, problem.head_dim, problem.dtype, problem.causal), []
 
     def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
-                 deterministic=False) -> list[Sm100Variant]:
+                 deterministic=False, features=()) -> list[Sm100Variant]:
         if archs is not None and "sm100" not in archs:
             return []
         out = []

@@ -160,7 +160,7 @@ class CuteSm90Backend(Backend):
                 f"({measured}; see backends/cute_sm90/variants.py)"]
 
     def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
-                 deterministic=False) -> list[Sm90Variant]:
+                 deterministic=False, features=()) -> list[Sm90Variant]:
         if archs is not None and "sm90" not in archs:
             return []
         out = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import torch
 
@@ -143,7 +144,7 @@ class TritonFA2Backend(Backend):
         return self._plan_family(problem, "bwd")
 
     def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
-                 deterministic=False) -> list[TritonVariant]:
+                 deterministic=False, features=()) -> list[TritonVariant]:
         own = self.variants_table.FWD
         out = []
         for arch in (own if archs is None else [a for a in archs if a in own]):
@@ -151,13 +152,15 @@ class TritonFA2Backend(Backend):
                 for dtype in dtypes or ("fp16", "bf16"):
                     if dtype not in self.support.dtypes:
                         continue
-                    for flag in causal:
-                        for family in ("fwd", "bwd"):
-                            variant, why = self._variant(family, arch, head_dim, dtype, flag)
-                            if variant is None:
-                                if strict:
-                                    raise ValueError(f"{self.name} {arch}: " + "; ".join(why))  # the reason already says "head_dim N"
-                                continue
+                    for flag, kinds, family in itertools.product(causal, (frozenset(), *features), ("fwd", "bwd")):
+                        variant, why = self._variant(family, arch, head_dim, dtype, flag, local="window" in kinds,
+                                                     softcap="softcap" in kinds, sinks="sinks" in kinds,
+                                                     alibi="alibi" in kinds)
+                        if variant is None:
+                            if strict:
+                                raise ValueError(f"{self.name} {arch}: " + "; ".join(why))  # the reason already says "head_dim N"
+                            continue
+                        if variant not in out:
                             out.append(variant)
         return out
 

@@ -88,6 +88,15 @@ def test_build_cli(tmp_path, capsys):
     assert len(list(tmp_path.glob("*/kernel.sass"))) == 4
     assert main(["build", "--target", "sm75", "--list"]) == 2
     assert "unknown build target 'sm75'" in capsys.readouterr().err
+    # --features: the windowed kernels, and softcap with sinks in one, beside the plain ones
+    assert main(["build", "--target", "sm89", "--head-dim", "64", "--dtype", "fp16", "--causal", "true",
+                 "--features", "window,softcap+sinks", "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert "fwd_kernel.sm89.fp16.d64.full.local" in "\n".join(listed) and "10 kernels" in listed[-1]
+    assert any(line.endswith("fwd_kernel.sm89.fp16.d64.causal.softcap.has_sinks") for line in listed)
+    with pytest.raises(SystemExit):
+        main(["build", "--target", "sm89", "--features", "window+bogus", "--list"])
+    assert "unknown feature bogus" in capsys.readouterr().err
 
 
 def test_prebuilt_kernels_load_from_the_cache_without_compiling(tmp_path, monkeypatch):
@@ -117,6 +126,14 @@ def test_prebuilt_kernels_load_from_the_cache_without_compiling(tmp_path, monkey
                                                                       SOFTCAP=False, HAS_SINKS=False, ALIBI=False)),
                                        cache_dir=tmp_path) is None  # not built: the JIT serves it
     # a sliding window's LOCAL kernel (CAUSAL folded into its window) is not built ahead of time either
-    assert triton_launch.find_prebuilt(**dict(lookup, constexprs=dict(HEAD_DIM=64, D=64, CAUSAL=False, LOCAL=True,
-                                                                      SOFTCAP=False, HAS_SINKS=False, ALIBI=False)),
-                                       cache_dir=tmp_path) is None
+    local_flags = dict(HEAD_DIM=64, D=64, CAUSAL=False, LOCAL=True, SOFTCAP=False, HAS_SINKS=False, ALIBI=False)
+    assert triton_launch.find_prebuilt(**dict(lookup, constexprs=local_flags), cache_dir=tmp_path) is None
+    # unless `attnforge build --features window` asks: then a windowed call's kernel (its variant's module) is found
+    (local,) = [v for v in registered()["triton_fa2"].variants(["sm90"], dtypes=("bf16",), head_dims=(64,),
+                                                                 causal=(True,), features=(frozenset({"window"}),))
+                if v.family == "fwd" and v.local]
+    for b in registered()["triton_fa2"].builds(local):
+        triton_aot.build_cached(b, tmp_path)
+    found = triton_launch.find_prebuilt(**dict(lookup, kernel=local.module.fwd_kernel, constexprs=local_flags),
+                                        cache_dir=tmp_path)
+    assert found is not None and found.metadata.name == "fwd_kernel"
