@@ -7,12 +7,7 @@
 #   bash benchmarks/run_backward.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: bash benchmarks/run_backward.sh OUTDIR}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-[ -f .gpu/setup.sh ] && source .gpu/setup.sh >"$out/setup.log" 2>&1
-if ! python3 -c "import attnforge" 2>/dev/null; then
-  mkdir -p /tmp/attnforge-src && ln -sfn "$PWD" /tmp/attnforge-src/attnforge
-  export PYTHONPATH=/tmp/attnforge-src${PYTHONPATH:+:$PYTHONPATH}
-fi
+source benchmarks/gpu_env.sh "$out"
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee -a "$out/log.txt"
 for step in ${STEPS:-tests bench}; do
   echo "=== $step" | tee -a "$out/log.txt"

@@ -8,12 +8,7 @@
 set -uo pipefail
 out=${1:?usage: bash benchmarks/run_ecosystem.sh OUTDIR}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-[ -f .gpu/setup.sh ] && source .gpu/setup.sh >"$out/setup.log" 2>&1
-if ! python3 -c "import attnforge" 2>/dev/null; then
-  mkdir -p /tmp/attnforge-src && ln -sfn "$PWD" /tmp/attnforge-src/attnforge
-  export PYTHONPATH=/tmp/attnforge-src${PYTHONPATH:+:$PYTHONPATH}
-fi
+source benchmarks/gpu_env.sh "$out"
 git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
 python3 -m pytest -q -p no:cacheprovider -rf tests/test_op.py tests/integrations tests/test_autocast.py > "$out/tests.txt" 2>&1
 { echo "=== tests"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.txt"

@@ -10,6 +10,7 @@ import math
 import torch
 
 from ...codegen import Source
+from ...dispatch.problem import dtype_name
 from ...runtime import cute
 from ...runtime.triton_launch import launch
 from ..shared.cute_host import LOG2_E, CuteVariant, elements, tma_ready
@@ -132,7 +133,7 @@ def dq_from_accumulator(acc: torch.Tensor, q: torch.Tensor, scale: float, use_tr
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q was not TMA-ready: a contiguous dq
     if dq.numel():
         launch(k.scale_dq, (-(-n // k.BLOCK_ROWS), b * h), (acc, dq, scale, n, h, *_units(dq)), _dims(d),
-               k.NUM_WARPS, k.NUM_STAGES, dtype_name=_DTYPE_NAMES[q.dtype])
+               k.NUM_WARPS, k.NUM_STAGES, dtype_name=dtype_name(q.dtype))
     return dq
 
 
@@ -145,16 +146,12 @@ def _units(x: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _dims(head_dim: int) -> dict:
+    """The kernels' constexprs for ``head_dim``: D is its tile width, the next power of two."""
+    import triton
+
     from . import bwd_rows_kernel as k
 
-    return {"BLOCK_ROWS": k.BLOCK_ROWS, "HEAD_DIM": head_dim, "D": _pow2(head_dim)}
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+    return {"BLOCK_ROWS": k.BLOCK_ROWS, "HEAD_DIM": head_dim, "D": triton.next_power_of_2(head_dim)}
 
 
 def aot_builds(dtype: str, head_dim: int, arch: str = "sm90") -> list:
@@ -164,7 +161,7 @@ def aot_builds(dtype: str, head_dim: int, arch: str = "sm90") -> list:
     from . import bwd_rows_kernel as k
 
     def build(kernel: str, constexprs: dict):
-        return KernelBuild(k.__file__, "bwd_rows_kernel", kernel, arch, dtype, _pow2(head_dim), False, k.NUM_WARPS,
+        return KernelBuild(k.__file__, "bwd_rows_kernel", kernel, arch, dtype, _dims(head_dim)["D"], False, k.NUM_WARPS,
                            k.NUM_STAGES, signature=tuple(k.aot_signature(kernel, dtype).items()),
                            constexprs=tuple(constexprs.items()), aligned=k.AOT_ALIGNED[kernel])
 
