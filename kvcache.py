@@ -2,126 +2,176 @@
 
 Contiguous caches (batch, max_seqlen, heads_kv, head_dim) or paged ones (num_blocks, page_size, heads_kv,
 head_dim) with an int32 ``block_table`` (batch, max_pages); new keys and values are written into the cache in
-place at ``cache_seqlens`` first, as flash-attn does. Each sequence then runs as its own ``attention()`` call
-(bottom-right causal against its cache length), on a view of a contiguous cache or on its pages gathered. There
-is no split-KV decode kernel yet: that is what makes decode fast, and this module is its interface.
+place at ``cache_seqlens`` first, as flash-attn does. The call is then one dispatched Problem (``kv_cache``
+"contiguous" or "paged"): triton_fa2 and triton_rocm run a split-KV, pack-GQA kernel that reads the cache where
+it lies (templates/triton_kvcache.py.jinja); reference, the last resort, gathers each sequence's keys.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .errors import InvalidInputError
+from .errors import BackendUnavailableError, InvalidInputError
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None = None,
                            v: torch.Tensor | None = None, *, cache_seqlens: torch.Tensor | int | None = None,
                            block_table: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
                            causal: bool = False, scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0, sinks: torch.Tensor | None = None, num_splits: int = 0,
                            return_lse: bool = False, backend: str | None = None):
     """Attention of q (batch, seqlen_q, heads_q, head_dim) against each sequence's cached keys and values.
 
-    ``cache_seqlens``: (batch,) int32 or an int: how many cached tokens each sequence has (default: the whole
-    cache). ``k``, ``v`` (batch, seqlen_new, heads_kv, head_dim), if given, are written into the cache at those
-    positions (in place) and attended too. ``cache_leftpad`` (batch,) int32: the first valid cache position per
-    sequence. ``block_table`` (batch, max_pages) int32 makes the caches paged (page ``block_table[b, i]`` holds
-    positions ``i * page_size ...``). ``causal`` aligns bottom-right: query i sits at position
-    ``len + i - seqlen_q`` of the ``len`` keys it attends. Returns the output (batch, seqlen_q, heads_q,
-    head_dim_v), and with ``return_lse`` the LSE (batch, heads_q, seqlen_q) fp32. Reads the lengths on the host
-    (one sync); not under torch.compile yet.
+    ``cache_seqlens``: (batch,) int32 or an int: the cache position each sequence's keys end at (default: the
+    whole cache). ``k``, ``v`` (batch, seqlen_new, heads_kv, head_dim), if given, are written into the cache at
+    those positions (in place) and attended too. ``cache_leftpad`` (batch,) int32: the first valid cache position
+    per sequence. ``block_table`` (batch, max_pages) int32 makes the caches paged (page ``block_table[b, i]``
+    holds positions ``i * page_size ...``). ``causal`` aligns bottom-right: query i sits at position
+    ``len + i - seqlen_q`` of the ``len`` keys it attends; ``window_size``, ``softcap`` and ``sinks`` are
+    attention()'s. ``num_splits``: how many chunks each sequence's keys are split into (flash-decoding); 0 lets
+    the backend choose from the multiprocessor count. Returns the output (batch, seqlen_q, heads_q, head_dim_v),
+    and with ``return_lse`` the LSE (batch, heads_q, seqlen_q) fp32. No backward (as flash-attn's). Checks the
+    lengths and block table on the host (one sync); not under torch.compile yet.
     """
-    from .api import attention
-    from .op import lse_dtype
+    from .api import _causal_mask
+    from .dispatch.call import Call, KVCache
+    from .dispatch.device import detect
+    from .dispatch.problem import Problem, check_scale, check_sinks, check_softcap, dtype_name
+    from .dispatch.registry import get
+    from .dispatch.select import decide, forced_backend, record
 
     if torch.compiler.is_compiling():
         raise InvalidInputError("attention_with_kvcache inside torch.compile is not supported yet (it reads the "
                                 "cache lengths on the host); call it eagerly")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise InvalidInputError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
-    if (k is None) != (v is None):
-        raise InvalidInputError("pass k and v together, or neither")
-    batch = q.shape[0]
+    _check_tensors(q, k_cache, v_cache, k, v)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):
+        raise InvalidInputError("attention_with_kvcache has no backward (as flash-attn's): call it under "
+                                "torch.no_grad(), or use attention() or attention_varlen() to train")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise InvalidInputError(f"num_splits must be an int >= 0 (0: chosen for the device), got {num_splits!r}")
+    mask = _causal_mask(causal, window_size)
+    softcap = check_softcap(softcap)
+    if sinks is not None:
+        check_sinks(sinks, q, "bshd")
+    batch, seqlen_q, heads_q, head_dim = q.shape
     paged = block_table is not None
+    pages = k_cache.shape[0]
+    page_size = k_cache.shape[1]
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
-                or block_table.shape[0] != batch:
-            raise InvalidInputError(f"block_table must be an int32 (batch, max_pages) = ({batch}, ...) tensor, got "
-                                    f"{getattr(block_table, 'dtype', None)} {tuple(getattr(block_table, 'shape', ()))}")
-        capacity = block_table.shape[1] * k_cache.shape[1]
+                or block_table.shape[0] != batch or block_table.device != q.device:
+            raise InvalidInputError(f"block_table must be an int32 (batch, max_pages) = ({batch}, ...) tensor on "
+                                    f"{q.device}, got {getattr(block_table, 'dtype', None)} "
+                                    f"{tuple(getattr(block_table, 'shape', ()))}")
+        capacity = block_table.shape[1] * page_size
     else:
         if k_cache.shape[0] < batch:
             raise InvalidInputError(f"k_cache has {k_cache.shape[0]} sequences for a batch of {batch}")
-        capacity = k_cache.shape[1]
-    lengths = _lengths("cache_seqlens", cache_seqlens, batch, capacity)
-    starts = _lengths("cache_leftpad", cache_leftpad, batch, capacity) if cache_leftpad is not None else [0] * batch
+        capacity = page_size
     new = 0 if k is None else k.shape[1]
+    device = q.device
+    ends = _lengths("cache_seqlens", cache_seqlens, batch, capacity, device)
+    starts = _lengths("cache_leftpad", cache_leftpad, batch, capacity, device) if cache_leftpad is not None else None
+    # one host read for every check below: lengths, left pads and the pages the sequences use
+    stats = [ends, starts if starts is not None else torch.zeros_like(ends)]
+    if paged:
+        stats.append(_used_pages(block_table, ends + new, page_size))
+    host = torch.cat(stats).tolist()
+    end_list, start_list = host[:batch], host[batch:2 * batch]
+    if any(n < 0 or n > capacity for n in end_list + start_list):
+        raise InvalidInputError(f"cache_seqlens and cache_leftpad must be between 0 and the cache's {capacity} "
+                                f"tokens, got {end_list} and {start_list}")
+    if any(a > e for a, e in zip(start_list, end_list)):
+        raise InvalidInputError(f"cache_leftpad {start_list} must not pass cache_seqlens {end_list}")
+    full = [n for n in end_list if n + new > capacity]
+    if full:
+        raise InvalidInputError(f"the cache holds {capacity} tokens per sequence: appending {new} to a sequence of "
+                                f"{full[0]} does not fit")
+    if paged and any(p < 0 or p >= pages for p in host[2 * batch:]):
+        raise InvalidInputError(f"block_table names pages outside the cache's {pages}: "
+                                f"{sorted({p for p in host[2 * batch:] if p < 0 or p >= pages})[:8]}")
     if k is not None:
-        if k.dim() != 4 or k.shape[0] != batch or v.shape[:2] != k.shape[:2]:
-            raise InvalidInputError(f"k and v must be (batch, seqlen_new, heads_kv, head_dim) with batch {batch}, got "
-                                    f"{tuple(k.shape)} and {tuple(v.shape)}")
-        full = [n for n in lengths if n + new > capacity]
-        if full:
-            raise InvalidInputError(f"the cache holds {capacity} tokens per sequence: appending {new} to a sequence "
-                                    f"of {full[0]} does not fit")
-    pages = block_table.tolist() if paged else None
-    outs, lses = [], []
-    for b in range(batch):
-        end = lengths[b] + new
-        if k is not None:
-            _write(k_cache, k[b], lengths[b], b, pages)
-            _write(v_cache, v[b], lengths[b], b, pages)
-        keys, values = _read(k_cache, starts[b], end, b, pages), _read(v_cache, starts[b], end, b, pages)
-        if keys.shape[0] == 0:  # nothing cached: every row sees no key
-            outs.append(q.new_zeros((q.shape[1], q.shape[2], v_cache.shape[3])))
-            lses.append(torch.full((q.shape[2], q.shape[1]), float("-inf"), device=q.device, dtype=lse_dtype(q)))
-            continue
-        out, lse = attention(q[b:b + 1], keys[None], values[None], causal=causal, scale=scale, layout="bshd",
-                             window_size=window_size, return_lse=True, backend=backend)
-        outs.append(out[0])
-        lses.append(lse[0])
-    out, lse = torch.stack(outs), torch.stack(lses)
+        _append(k_cache, k, ends, block_table)
+        _append(v_cache, v, ends, block_table)
+        ends = ends + new
+    longest = max((e + new - s for e, s in zip(end_list, start_list)), default=0)
+    problem = Problem(batch=batch, heads_q=heads_q, heads_kv=k_cache.shape[2], seqlen_q=seqlen_q, seqlen_k=longest,
+                      head_dim=head_dim, head_dim_v=v_cache.shape[3], dtype=dtype_name(q.dtype), device=detect(device),
+                      mask=mask, return_lse=bool(return_lse), softcap=softcap > 0, sinks=sinks is not None,
+                      kv_cache="paged" if paged else "contiguous")
+    decision = decide(problem, *forced_backend(backend))
+    if not decision.ok:
+        raise BackendUnavailableError(str(decision))
+    record(decision)
+    cache = KVCache(ends.to(torch.int32), starts, block_table, longest, num_splits)
+    call = Call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                check_scale(scale, head_dim), mask, softcap=softcap, sinks=sinks, cache=cache)
+    out, lse = get(decision.forward.backend).forward(decision.forward.variant, call)
+    out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
 
-def _lengths(name: str, value, batch: int, capacity: int) -> list[int]:
+def _check_tensors(q, k_cache, v_cache, k, v) -> None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is None and name in ("k", "v"):
+            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise InvalidInputError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+        if t.device != q.device or t.dtype != q.dtype:
+            raise InvalidInputError(f"{name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}: they must "
+                                    f"share one dtype and device")
+    if (k is None) != (v is None):
+        raise InvalidInputError("pass k and v together, or neither")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise InvalidInputError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the "
+                                f"same blocks, positions and heads")
+    heads_kv = k_cache.shape[2]
+    if q.shape[3] != k_cache.shape[3]:
+        raise InvalidInputError(f"q and k_cache must have the same head_dim, got {q.shape[3]} and {k_cache.shape[3]}")
+    if heads_kv == 0 or q.shape[2] % heads_kv:
+        raise InvalidInputError(f"heads of q ({q.shape[2]}) must be a multiple of the cache's heads ({heads_kv})")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise InvalidInputError("k_cache and v_cache must have unit stride in head_dim (they are read and written "
+                                "in place)")
+    if k is not None and (k.shape[0] != q.shape[0] or v.shape[:2] != k.shape[:2] or k.shape[2:] != k_cache.shape[2:]
+                          or v.shape[2:] != v_cache.shape[2:]):
+        raise InvalidInputError(f"k and v must be (batch, seqlen_new, heads_kv, head_dim) like the caches with batch "
+                                f"{q.shape[0]}, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _lengths(name: str, value, batch: int, capacity: int, device) -> torch.Tensor:
+    """``value`` as a (batch,) int32 tensor on ``device`` (an int, or an int32 tensor already)."""
     if value is None:
-        return [capacity] * batch
+        return torch.full((batch,), capacity, dtype=torch.int32, device=device)
     if isinstance(value, int) and not isinstance(value, bool):
-        values = [value] * batch
-    elif isinstance(value, torch.Tensor) and value.dtype == torch.int32 and value.shape == (batch,):
-        values = value.tolist()
-    else:
-        raise InvalidInputError(f"{name} must be an int or an int32 ({batch},) tensor, got "
-                                f"{getattr(value, 'dtype', type(value).__name__)} {tuple(getattr(value, 'shape', ()))}")
-    if any(n < 0 or n > capacity for n in values):
-        raise InvalidInputError(f"{name} must be between 0 and the cache's {capacity} tokens, got {values}")
-    return values
+        return torch.full((batch,), value, dtype=torch.int32, device=device)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.int32 and value.shape == (batch,):
+        if value.device != device:
+            raise InvalidInputError(f"{name} is on {value.device} but q is on {device}")
+        return value
+    raise InvalidInputError(f"{name} must be an int or an int32 ({batch},) tensor, got "
+                            f"{getattr(value, 'dtype', type(value).__name__)} {tuple(getattr(value, 'shape', ()))}")
 
 
-def _positions(start: int, end: int, page_size: int, pages: list[int]):
-    """(page, offset) runs covering cache positions [start, end) of one sequence."""
-    position = start
-    while position < end:
-        page, offset = divmod(position, page_size)
-        take = min(page_size - offset, end - position)
-        yield pages[page], offset, take
-        position += take
+def _used_pages(block_table: torch.Tensor, ends: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The smallest and largest page the sequences use (positions below ``ends``; the rest of the table is
+    never read), as two ints; (0, 0) when no sequence uses one."""
+    used = torch.arange(block_table.shape[1], device=block_table.device) * page_size < ends.clamp(min=0)[:, None]
+    if block_table.numel() == 0:
+        return torch.zeros(2, dtype=torch.int32, device=block_table.device)
+    low = torch.where(used, block_table, torch.iinfo(torch.int32).max).min()
+    high = torch.where(used, block_table, torch.iinfo(torch.int32).min).max()
+    none = ~used.any()
+    return torch.stack((torch.where(none, 0, low), torch.where(none, 0, high))).to(torch.int32)
 
 
-def _write(cache: torch.Tensor, new: torch.Tensor, at: int, b: int, pages) -> None:
-    if pages is None:
-        cache[b, at:at + new.shape[0]] = new
+def _append(cache: torch.Tensor, new: torch.Tensor, at: torch.Tensor, block_table: torch.Tensor | None) -> None:
+    """Write ``new`` (batch, n, heads, dim) into ``cache`` at positions ``at[b]`` ... ``at[b] + n - 1`` of each
+    sequence, in place, on the device (no host loop)."""
+    positions = at.long()[:, None] + torch.arange(new.shape[1], device=new.device)
+    if block_table is None:
+        cache[torch.arange(new.shape[0], device=new.device)[:, None], positions] = new
         return
-    done = 0
-    for page, offset, take in _positions(at, at + new.shape[0], cache.shape[1], pages[b]):
-        cache[page, offset:offset + take] = new[done:done + take]
-        done += take
-
-
-def _read(cache: torch.Tensor, start: int, end: int, b: int, pages) -> torch.Tensor:
-    """Positions [start, end) of sequence b: a view of a contiguous cache, the pages gathered (a copy) if paged."""
-    if pages is None:
-        return cache[b, start:end]
-    parts = [cache[page, offset:offset + take] for page, offset, take in _positions(start, end, cache.shape[1], pages[b])]
-    return torch.cat(parts) if parts else cache.new_zeros((0, *cache.shape[2:]))
+    page_size = cache.shape[1]
+    page = block_table.long().gather(1, positions // page_size)
+    cache[page, positions % page_size] = new

@@ -10,12 +10,26 @@ import torch
 from .mask import Mask
 
 
+class KVCache(NamedTuple):
+    """Where each sequence's keys sit in a KV cache (attention_with_kvcache): cache positions [``leftpad[b]``,
+    ``seqlens[b]``) of its row, or of the pages ``block_table[b]`` names. ``seqlens``, ``leftpad`` (B,) int32,
+    ``leftpad`` None for 0; ``block_table`` (B, max_pages) int32 or None (contiguous); ``longest`` the largest key
+    count (a host int); ``num_splits`` the key splits asked for (0: the backend's heuristic)."""
+
+    seqlens: torch.Tensor
+    leftpad: torch.Tensor | None
+    block_table: torch.Tensor | None
+    longest: int
+    num_splits: int = 0
+
+
 class Call(NamedTuple):
     """q, k, v (batch, heads, seqlen, head_dim) with any strides; ``scale`` the softmax scale (a float);
     ``mask`` the Problem's Mask; ``descale`` (3, batch, heads_kv) fp32 for FP8 inputs; ``attn_mask`` an
     explicit mask tensor (``attnforge.sdpa``, ``mask.tensor``); ``softcap`` the score cap (0: none; scores become
     softcap * tanh(scores / softcap) after scaling); ``sinks`` (heads_q,) fp32 logits that count in each row's
-    softmax denominator and carry no value, or None. A NamedTuple: made on every call, cheaply."""
+    softmax denominator and carry no value, or None; ``cache`` a KVCache when k and v are cache views
+    ((batch or page, heads_kv, positions, head_dim)). A NamedTuple: made on every call, cheaply."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -28,6 +42,7 @@ class Call(NamedTuple):
     softcap: float = 0.0
     sinks: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None  # (batch, heads_q) fp32, heads contiguous (problem.alibi_slopes_of)
+    cache: KVCache | None = None
 
     @property
     def causal(self) -> bool:

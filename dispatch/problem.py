@@ -25,6 +25,7 @@ _ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "f
             "float64": "fp64", "double": "fp64", "e4m3": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
 _NAME_OF = {dt: name for name, dt in DTYPES.items()}
 LAYOUTS = ("bhsd", "bshd")
+KV_CACHES = ("", "contiguous", "paged")  # Problem.kv_cache
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -64,6 +65,9 @@ class Problem:
     sinks: bool = False  # one learnable logit per query head in each row's softmax (the tensor is the Call's)
     alibi: bool = False  # ALiBi: -slope * |i + Nk - Nq - j| added to the scores (the slopes are the Call's)
     deterministic: bool = False  # the backward must be bitwise reproducible (FlashAttention's deterministic=True)
+    # attention_with_kvcache's keys and values: "" (dense k, v), "contiguous" (a (batch, max_seqlen) cache row per
+    # sequence) or "paged" (pages a block table names); seqlen_k is then the longest sequence's key count
+    kv_cache: str = ""
 
     def __post_init__(self):
         for field in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v"):
@@ -80,6 +84,8 @@ class Problem:
         dtype_name(self.dtype)  # raises on unknown names
         if not isinstance(self.mask, Mask):
             raise InvalidInputError(f"mask must be a Mask, got {self.mask!r}")
+        if self.kv_cache not in KV_CACHES:
+            raise InvalidInputError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
 
     @property
     def causal(self) -> bool:
@@ -105,7 +111,7 @@ class Problem:
         dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), *((f, True) for f in self.score_features),
                                  ("dropout", self.dropout), ("grad", self.needs_grad), ("deterministic", self.deterministic),
-                                 ("lse", self.return_lse)) if on]
+                                 ("lse", self.return_lse), (f"{self.kv_cache} kv cache", bool(self.kv_cache))) if on]
         return (f"{self.dtype} b={self.batch} h={heads} nq={self.seqlen_q} nk={self.seqlen_k} {dims}"
                 + (" " + ",".join(flags) if flags else "") + f" on {self.device.arch} ({self.device.name})")
 

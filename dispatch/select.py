@@ -306,6 +306,13 @@ def _remember(key, decision: Decision) -> tuple[int, Decision]:
     return entry
 
 
+def record(decision: Decision) -> None:
+    """Log ``decision`` as the last of this context and among decisions(): for entry points that decide a
+    Problem themselves (attention_with_kvcache) rather than through decide_call."""
+    entry = _remember(None, decision)
+    _last.set(entry)
+
+
 def last_decision() -> Decision | None:
     """The Decision of the last attention() call in this thread, or in this asyncio task (a context
     variable, as use_backend()); None before any. Another thread's calls never show here."""

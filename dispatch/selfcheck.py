@@ -29,7 +29,7 @@ import torch
 
 from .._version import __version__
 from ..runtime.cache import default_cache_dir, write_atomic
-from .call import Call
+from .call import Call, KVCache
 from .problem import DTYPES, Problem
 
 logger = logging.getLogger("attnforge")
@@ -180,6 +180,17 @@ def _tiny_inputs(problem: Problem):
     return q, k, v, dout, problem.head_dim ** -0.5, features
 
 
+def _tiny_cache(problem: Problem):
+    """For a KV-cache problem, the tiny problem's k and v as a cache every sequence fills: rows of a contiguous
+    cache, or pages of SEQLEN_K positions, page b holding sequence b (so its answer is the dense one)."""
+    if not problem.kv_cache:
+        return None
+    device = problem.device.torch_device
+    seqlens = torch.full((BATCH,), SEQLEN_K, dtype=torch.int32, device=device)
+    table = (torch.arange(BATCH, dtype=torch.int32, device=device)[:, None] if problem.kv_cache == "paged" else None)
+    return KVCache(seqlens, None, table, SEQLEN_K)
+
+
 def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
     """The tiny problem run by ``variant``, on the device, against fp64 math on the same (rounded) inputs.
     Raises what the variant raises."""
@@ -188,7 +199,7 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
 
     dtype = DTYPES[problem.dtype]
     q, k, v, _, scale, features = _tiny_inputs(problem)
-    out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask, **features))
+    out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask, cache=_tiny_cache(problem), **features))
     ref, _ = math_attention(q.double(), k.double(), v.double(), mask=problem.mask, scale=scale,
                             **{n: x.double() if isinstance(x, torch.Tensor) else x for n, x in features.items()})
     if not torch.isfinite(out).all():

@@ -33,6 +33,7 @@ class Support:
     nondeterministic_backward: str = ""
     deterministic_backward: str = ""
     empty: bool = True  # zero-sized batch, heads or sequence
+    kv_cache: frozenset[str] = frozenset()  # the KV caches it reads in place ("contiguous", "paged")
 
     def reasons(self, p: Problem) -> list[str]:
         """One sentence per unmet need of ``p``; empty means supported (forward)."""
@@ -70,6 +71,9 @@ class Support:
             out.append("dropout_p > 0 is not supported")
         if p.return_lse and not self.return_lse:
             out.append("return_lse=True is not supported (it does not give the LSE)")
+        if p.kv_cache and p.kv_cache not in self.kv_cache:
+            out.append(f"a {p.kv_cache} KV cache is not supported (it has no kernel that reads cache_seqlens"
+                       f"{' and a block_table' if p.kv_cache == 'paged' else ''})")
         if p.empty and not self.empty:
             out.append("empty problem (a zero-sized batch, heads or sequence) is not supported")
         return out

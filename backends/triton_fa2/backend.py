@@ -24,6 +24,11 @@ from ...runtime.env import triton_interpret
 from . import aot, variants
 
 
+# The packed-row counts whose KV-cache tiles codegen renders: a decode step of GQA up to 16 query heads per KV
+# head (block_m 16) and chunked prefill (block_m 64).
+KV_ROWS = (16, 64)
+
+
 def interpreting() -> bool:
     """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET as Triton itself reads it)."""
     return triton_interpret()
@@ -39,14 +44,19 @@ def _window(variant, call) -> tuple[int, int] | None:
     return call.mask.window_bounds if variant.local else None
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 @dataclasses.dataclass(frozen=True)
 class TritonVariant(Variant):
     """One generated Triton module (a forward or a backward tile) for an arch, head dim, dtype and causality.
     ``arch`` is the arch whose table the tile came from (the interpreter uses its backend's
     interpreter_arch)."""
 
-    family: str  # "fwd" or "bwd"
-    tile: variants.FwdTile | variants.BwdTile
+    family: str  # "fwd", "bwd" or "kvcache"
+    tile: variants.FwdTile | variants.BwdTile | variants.KVTile
     template: str
     arch: str
     head_dim: int
@@ -89,7 +99,7 @@ class TritonFA2Backend(Backend):
     name = "triton_fa2"
     summary = "FA2-style Triton kernels rendered from templates/triton_fa2_*.py.jinja"
     variants_table = variants
-    templates = {"fwd": "triton_fa2_fwd.py.jinja", "bwd": "triton_fa2_bwd.py.jinja"}
+    templates = {"fwd": "triton_fa2_fwd.py.jinja", "bwd": "triton_fa2_bwd.py.jinja", "kvcache": "triton_kvcache.py.jinja"}
     interpreter_arch = "sm80"  # tiles used when the interpreter runs the kernels on the CPU
     support = Support(
         vendors=frozenset({"nvidia", "cpu"}),
@@ -102,7 +112,10 @@ class TritonFA2Backend(Backend):
         softcap=True,  # SOFTCAP kernels
         sinks=True,  # the forward's HAS_SINKS; the backward recomputes P from the LSE, which counts the sink
         alibi=True,  # ALIBI kernels
+        kv_cache=frozenset({"contiguous", "paged"}),  # templates/triton_kvcache.py.jinja: split-KV, pack-GQA
     )
+    # the multiprocessors the split heuristic fills when the interpreter runs the kernels (few: tests split)
+    interpreter_multiprocessors = 4
 
     def available(self) -> list[str]:
         try:
@@ -112,7 +125,8 @@ class TritonFA2Backend(Backend):
         return []
 
     def _table(self, family: str) -> dict:
-        return self.variants_table.FWD if family == "fwd" else self.variants_table.BWD
+        return {"fwd": self.variants_table.FWD, "bwd": self.variants_table.BWD,
+                "kvcache": self.variants_table.KVCACHE}[family]
 
     def _variant(self, family: str, arch: str, head_dim: int, dtype: str, causal: bool,
                  interpreted: bool = False, local: bool = False, softcap: bool = False, sinks: bool = False,
@@ -137,10 +151,32 @@ class TritonFA2Backend(Backend):
         reasons += why
         return (None, reasons) if reasons else (variant, [])
 
+    def _plan_kvcache(self, problem: Problem) -> Planned:
+        reasons = []
+        cpu = problem.device.vendor == "cpu"
+        if cpu and not interpreting():
+            reasons.append("runs on the CPU only in Triton's interpreter (TRITON_INTERPRET=1, for tests)")
+        if problem.head_dim_v != problem.head_dim:
+            reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
+        if problem.alibi:
+            reasons.append("ALiBi is not in its KV-cache kernel")
+        arch = self.interpreter_arch if cpu else problem.device.arch
+        rows = problem.seqlen_q * (problem.heads_q // max(problem.heads_kv, 1))
+        tile, why = variants.kv_tile(self._table("kvcache"), arch, problem.head_dim, rows)
+        reasons += why
+        if reasons:
+            return None, reasons
+        return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, problem.head_dim, problem.dtype,
+                             problem.causal, False, cpu, problem.mask.windowed, problem.softcap, problem.sinks), []
+
     def _plan(self, problem: Problem) -> Planned:
+        if problem.kv_cache:
+            return self._plan_kvcache(problem)
         return self._plan_family(problem, "fwd")
 
     def _plan_backward(self, problem: Problem) -> Planned:
+        if problem.kv_cache:
+            return None, ["its KV-cache kernel has no backward"]
         return self._plan_family(problem, "bwd")
 
     def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
@@ -162,12 +198,50 @@ class TritonFA2Backend(Backend):
                             continue
                         if variant not in out:
                             out.append(variant)
+                    for flag, rows in itertools.product(causal, KV_ROWS):
+                        variant = self._kvcache_variant(arch, head_dim, dtype, flag, rows)
+                        if variant is not None and variant not in out:
+                            out.append(variant)
         return out
 
+    def _kvcache_variant(self, arch: str, head_dim: int, dtype: str, causal: bool, rows: int) -> TritonVariant | None:
+        tile, _ = variants.kv_tile(self._table("kvcache"), arch, head_dim, rows)
+        if tile is None:
+            return None
+        return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, head_dim, dtype, causal)
+
     def builds(self, variant: TritonVariant) -> list:
+        if variant.family == "kvcache":
+            return []  # not prebuilt yet: its kernels JIT-compile on first use (see aot.builds)
         return aot.builds(variant, generated.path_for(variant.source))
 
+    def _multiprocessors(self, device: torch.device) -> int:
+        if device.type == "cpu":
+            return self.interpreter_multiprocessors
+        return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+    def _forward_kvcache(self, variant: TritonVariant, call):
+        q, k, v, cache = call.q, call.k, call.v, call.cache
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError("the KV-cache kernel reads caches with unit stride in head_dim (they are written in place)")
+        q = _unit_stride(q)
+        batch, heads, seqlen_q, _ = q.shape
+        out = torch.empty((batch, seqlen_q, heads, v.shape[3]), dtype=q.dtype, device=q.device).transpose(1, 2)
+        lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+        tile = variant.tile
+        ctas = -(-seqlen_q * (heads // k.shape[1]) // tile.block_m) * batch * k.shape[1]
+        splits, per_split = variants.kv_splits(ctas, cache.longest, tile.block_n, self._multiprocessors(q.device),
+                                               cache.num_splits)
+        sinks = None if call.sinks is None else call.sinks.to(torch.float32).contiguous()
+        variant.module.launch(q, k, v, out, lse, cache.seqlens, causal=variant.causal, scale=call.scale,
+                              num_splits=splits, keys_per_split=per_split, leftpad=cache.leftpad,
+                              block_table=cache.block_table, window=_window(variant, call), softcap=call.softcap,
+                              sinks=sinks)
+        return out, lse
+
     def forward(self, variant: TritonVariant, call):
+        if variant.family == "kvcache":
+            return self._forward_kvcache(variant, call)
         q, k, v = _unit_stride(call.q), _unit_stride(call.k), _unit_stride(call.v)
         out = torch.empty_like(q)  # same strides as q when q is dense (bshd stays bshd), else contiguous
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)

@@ -115,11 +115,41 @@ class BwdTile:
                 f"w{self.num_warps} s{self.num_stages}")
 
 
-def check(tile: FwdTile | BwdTile, arch: str, head_dim: int) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class KVTile:
+    """A tile of the KV-cache kernel (templates/triton_kvcache.py.jinja): ``block_m`` packed (query, head) rows
+    (pack-GQA), ``block_n`` keys per step."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def module(self) -> str:
+        return f"kvcache_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+
+    def params(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def smem_bytes(self, head_dim: int, arch: str = "sm80") -> int:
+        # K and V tiles per pipelined stage (q stays in registers)
+        return ELEMENT_BYTES * max(self.num_stages - 1, 1) * 2 * self.block_n * padded(head_dim) + LAYOUT_SCRATCH
+
+    def registers(self, head_dim: int, lanes: int = 32) -> int:
+        d = padded(head_dim)  # fp32 accumulator + 16-bit q + fp32 scores + the K and V tiles being loaded
+        return (self.block_m * d + self.block_m * d // 2 + self.block_m * self.block_n
+                + self.block_n * d) // (lanes * self.num_warps)
+
+    def describe(self) -> str:
+        return f"kvcache {self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+def check(tile: FwdTile | BwdTile | KVTile, arch: str, head_dim: int) -> list[str]:
     """The one validity check: reasons ``tile`` cannot serve ``head_dim`` on ``arch`` (empty: it can)."""
     reasons = []
-    blocks = ((tile.block_m, tile.block_n) if isinstance(tile, FwdTile)
-              else (tile.block_m1, tile.block_n1, tile.block_m2, tile.block_n2))
+    blocks = ((tile.block_m1, tile.block_n1, tile.block_m2, tile.block_n2) if isinstance(tile, BwdTile)
+              else (tile.block_m, tile.block_n))
     if any(b < 16 or b & (b - 1) for b in blocks):
         reasons.append(f"{tile.describe()}: tile sides must be powers of two >= 16 (tensor-core shapes)")
     if arch not in SMEM:
@@ -181,6 +211,43 @@ BWD: dict[str, dict[int, list[BwdTile]]] = {
     "sm80": _AMPERE_BWD, "sm86": _AMPERE_BWD, "sm89": _AMPERE_BWD, "sm120": _AMPERE_BWD,
     "sm90": _HOPPER_BWD, "sm100": _HOPPER_BWD,
 }
+
+
+# The KV-cache kernel (decode and chunked prefill). block_m here is the most packed rows a tile takes: a call with
+# fewer rows (seqlen_q x query heads per KV head) takes the smallest power of two >= 16 that holds them
+# (kv_tile). Decode is bound by reading K and V, so the key step and pipelining depth are what matter.
+_KV = {d: [KVTile(64, 64, 4, 3)] for d in HEAD_DIMS if d <= 128} | {192: [KVTile(32, 32, 4, 2)], 256: [KVTile(32, 32, 4, 2)]}
+KVCACHE: dict[str, dict[int, list[KVTile]]] = {arch: _KV for arch in FWD}
+# Split-KV: splits are added while batch x KV heads x row tiles is below one CTA per multiprocessor, up to
+# MAX_SPLITS, never below MIN_KEY_BLOCKS_PER_SPLIT key steps each (a split's fixed cost, its partial's write
+# and the combine, is paid once per split).
+MAX_SPLITS = 128
+MIN_KEY_BLOCKS_PER_SPLIT = 4
+
+
+def kv_tile(table: dict, arch: str, head_dim: int, rows: int) -> tuple[KVTile | None, list[str]]:
+    """The KV-cache tile for ``rows`` packed (query, head) rows: the table's, with block_m cut to the smallest
+    power of two >= max(rows, 16) where that is smaller."""
+    tile, reasons = pick(table, arch, head_dim, tuned=False)
+    if tile is None:
+        return None, reasons
+    block_m = min(tile.block_m, max(16, 1 << max(rows - 1, 0).bit_length()))
+    return dataclasses.replace(tile, block_m=block_m), []
+
+
+def kv_splits(ctas: int, longest: int, block_n: int, multiprocessors: int, asked: int = 0) -> tuple[int, int]:
+    """(splits, keys per split) for ``ctas`` tiles over caches of at most ``longest`` keys: ``asked`` splits when
+    > 0 (flash-attn's num_splits), else the heuristic above. Keys per split is a multiple of block_n and the
+    splits cover ``longest`` (the last may be short; there are never more splits than key steps)."""
+    steps = max(-(-longest // block_n), 1)
+    if asked > 0:
+        splits = asked
+    elif ctas >= multiprocessors:
+        splits = 1
+    else:
+        splits = min(-(-multiprocessors // max(ctas, 1)), max(steps // MIN_KEY_BLOCKS_PER_SPLIT, 1), MAX_SPLITS)
+    per_split = -(-steps // min(splits, steps)) * block_n
+    return -(-max(longest, 1) // per_split), per_split
 
 
 def winners_path(arch: str, cache_dir=None) -> pathlib.Path:

@@ -12,7 +12,7 @@ class TritonRocmBackend(TritonFA2Backend):
     name = "triton_rocm"
     summary = "FA2-style Triton kernels tuned for AMD CDNA (compiled and interpreter-tested, not run on AMD hardware)"
     variants_table = variants
-    templates = {"fwd": "triton_rocm_fwd.py.jinja", "bwd": "triton_rocm_bwd.py.jinja"}
+    templates = {"fwd": "triton_rocm_fwd.py.jinja", "bwd": "triton_rocm_bwd.py.jinja", "kvcache": "triton_kvcache.py.jinja"}
     interpreter_arch = "gfx942"
     support = Support(
         vendors=frozenset({"amd", "cpu"}),
@@ -25,4 +25,5 @@ class TritonRocmBackend(TritonFA2Backend):
         softcap=True,  # and its SOFTCAP kernels
         sinks=True,  # and its HAS_SINKS forward
         alibi=True,  # and its ALIBI kernels
+        kv_cache=frozenset({"contiguous", "paged"}),  # the shared KV-cache template, with CDNA tiles
     )

@@ -1,0 +1,177 @@
+"""Decode against a KV cache on one GPU: attention_with_kvcache (contiguous and paged) beside SDPA on the same
+dense cache and FlashAttention-4's flash_attn_varlen_func (seqused_k, page_table), in the same run, on the
+same inputs, with the copy bandwidth of this GPU measured in that run as the roofline.
+
+Kernel speed, not model speed: one attention call per timing (the cache append is not in it). Times are medians
+of CUDA-event timings (triton.testing.do_bench), interleaved over rounds. Reported: TFLOP/s with FLOPs = 4 * batch
+* heads_q * seqlen_q * seqlen_k * head_dim, and KV bandwidth = the bytes of K and V read once (2 * batch *
+seqlen_k * heads_kv * head_dim * element size) per second. Outputs are checked against fp32 math first.
+
+    python benchmarks/bench_kvcache.py --json out.json [--sweep]
+
+``--sweep`` also times the KV-cache kernel's tiles and split counts (what variants.py's table and split
+heuristic come from).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+# (name, batch, seqlen_k, heads_q, heads_kv, head_dim): the serving shapes the KV-cache issue names
+SHAPES = [("b64-8k", 64, 8192, 32, 8, 128), ("b1-8k", 1, 8192, 32, 8, 128), ("b16-32k", 16, 32768, 32, 8, 128)]
+PAGE = 64
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    """Bytes per second of a device-to-device copy (read + write), this GPU's practical roofline."""
+    from attnforge.bench.measure import time_ms
+
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), torch.device("cuda"), 25, 200)[0]
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def paged_copy(cache: torch.Tensor, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same (B, N, H, D) cache as pages of PAGE in a shuffled pool, and the block table."""
+    batch, n = cache.shape[:2]
+    per_seq = n // PAGE
+    table = torch.randperm(batch * per_seq, generator=gen).to(torch.int32).reshape(batch, per_seq).cuda()
+    pool = torch.empty((batch * per_seq, PAGE, *cache.shape[2:]), dtype=cache.dtype, device="cuda")
+    pool[table.long()] = cache.reshape(batch, per_seq, PAGE, *cache.shape[2:])
+    return pool, table
+
+
+def runners(shape, gen):
+    import attnforge
+
+    name, batch, n, hq, hkv, d = shape
+    dev = "cuda"
+    q = torch.randn(batch, 1, hq, d, generator=gen).to(dev, torch.bfloat16)
+    k_cache, v_cache = (torch.randn(batch, n, hkv, d, generator=gen).to(dev, torch.bfloat16) for _ in range(2))
+    seqlens = torch.full((batch,), n, dtype=torch.int32, device=dev)
+    k_pages, table = paged_copy(k_cache, gen)
+    v_pages = torch.empty_like(k_pages)
+    v_pages[table.long()] = v_cache.reshape(batch, n // PAGE, PAGE, hkv, d)
+    scale = d ** -0.5
+    out = {
+        "attnforge": lambda: attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, scale=scale),
+        "attnforge-paged64": lambda: attnforge.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,
+                                                                      block_table=table, scale=scale),
+        "sdpa": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2),
+                                                       v_cache.transpose(1, 2), scale=scale,
+                                                       enable_gqa=True).transpose(1, 2),
+    }
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        def fa4(kc, vc, pt):
+            res = flash_attn_varlen_func(q, kc, vc, seqused_k=seqlens, page_table=pt, softmax_scale=scale, num_splits=0)
+            return res[0] if isinstance(res, tuple) else res
+        out["fa4"] = lambda: fa4(k_cache, v_cache, None)
+        out["fa4-paged64"] = lambda: fa4(k_pages, v_pages, table)
+    except Exception as exc:  # noqa: BLE001 - the peer is optional; say why it is absent
+        print(f"  FlashAttention-4 not run: {type(exc).__name__}: {str(exc)[:160]}")
+    ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), k_cache.float().transpose(1, 2),
+                                         v_cache.float().transpose(1, 2), scale=scale, enable_gqa=True).transpose(1, 2)
+    return out, ref, (q, k_cache, v_cache, seqlens, scale)
+
+
+def check(fns, ref) -> dict:
+    errors = {}
+    for name, fn in list(fns.items()):
+        try:
+            with torch.no_grad():
+                got = fn()
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run this shape is left out, with why
+            print(f"  {name}: failed ({type(exc).__name__}: {str(exc)[:160]}); left out")
+            del fns[name]
+            continue
+        if not torch.isfinite(got).all():
+            raise SystemExit(f"{name}: NaN or inf in the output")
+        errors[name] = (got.float() - ref).abs().max().item()
+    bound = 4 * errors.get("sdpa", 0.0) + 2 ** -7
+    for name, err in errors.items():
+        if name.startswith("attnforge") and err > bound:
+            raise SystemExit(f"{name}: max error {err:.3g} against fp32 math, SDPA's bf16 error {errors['sdpa']:.3g}")
+    return errors
+
+
+def sweep(shape, inputs) -> list[dict]:
+    """The KV-cache kernel's tiles x split counts on ``shape`` (contiguous cache), timed one by one."""
+    from attnforge.backends.triton_fa2.backend import TritonVariant
+    from attnforge.backends.triton_fa2.variants import KVTile
+    from attnforge.dispatch.call import Call, KVCache
+    from attnforge.dispatch.mask import Mask
+    from attnforge.dispatch.registry import get
+    from attnforge.bench.measure import time_ms
+
+    _, batch, n, hq, hkv, d = shape
+    q, k_cache, v_cache, seqlens, scale = inputs
+    backend = get("triton_fa2")
+    rows = []
+    for block_n, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (0, 1, 2, 4, 8, 16, 32, 64)):
+        tile = KVTile(16, block_n, warps, stages)
+        variant = TritonVariant("kvcache", tile, "triton_kvcache.py.jinja", "sm90", d, "bf16", False)
+        call = Call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), scale, Mask(),
+                    cache=KVCache(seqlens, None, None, n, splits))
+        try:
+            ms = time_ms(lambda: backend.forward(variant, call), torch.device("cuda"), 10, 60)[0]
+        except Exception as exc:  # noqa: BLE001 - out of resources: recorded, not fatal
+            rows.append(dict(tile=tile.describe(), splits=splits, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+            continue
+        rows.append(dict(tile=tile.describe(), splits=splits, ms=ms,
+                         kv_tbs=2 * batch * n * hkv * d * 2 / (ms * 1e-3) / 1e12))
+    return sorted(rows, key=lambda r: r.get("ms", math.inf))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sweep", action="store_true", help="also sweep the kernel's tiles and split counts")
+    args = parser.parse_args(argv)
+    from attnforge.bench.measure import interleaved_ms
+
+    gen = torch.Generator().manual_seed(0)
+    copy = copy_bandwidth()
+    print(f"copy bandwidth: {copy / 1e12:.2f} TB/s (read + write)")
+    report = dict(device=torch.cuda.get_device_name(), copy_tbs=copy / 1e12, shapes=[])
+    for shape in SHAPES:
+        name, batch, n, hq, hkv, d = shape
+        fns, ref, inputs = runners(shape, gen)
+        errors = check(fns, ref)
+        with torch.no_grad():
+            times = interleaved_ms(fns, args.rounds)
+        flops = 4 * batch * hq * 1 * n * d
+        kv_bytes = 2 * batch * n * hkv * d * 2
+        row = dict(shape=name, batch=batch, seqlen_k=n, heads=f"{hq}/{hkv}", head_dim=d, errors=errors, results={})
+        print(f"{name}: batch {batch}, {n} keys, heads {hq}/{hkv}, d={d}, bf16, one query")
+        for impl, samples in times.items():
+            ms = sorted(samples)[len(samples) // 2]
+            row["results"][impl] = dict(ms=ms, samples=samples, tflops=flops / (ms * 1e-3) / 1e12,
+                                        kv_tbs=kv_bytes / (ms * 1e-3) / 1e12)
+            r = row["results"][impl]
+            print(f"  {impl:18s} {ms * 1e3:8.1f} us  {r['tflops']:6.1f} TFLOP/s  {r['kv_tbs']:5.2f} TB/s KV "
+                  f"({r['kv_tbs'] * 1e12 / copy:.0%} of copy)  err {errors[impl]:.2e}")
+        if args.sweep:
+            row["sweep"] = sweep(shape, inputs)
+            for r in row["sweep"][:6]:
+                print(f"    sweep {r['tile']:28s} splits {r['splits']:3d}: {r.get('ms', 0) * 1e3:8.1f} us "
+                      f"{r.get('kv_tbs', 0):5.2f} TB/s")
+        report["shapes"].append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The KV-cache kernel (templates/triton_kvcache.py.jinja) of triton_fa2 and triton_rocm in Triton's interpreter,
+through attention_with_kvcache in fp16, against fp64 math on the keys each sequence has: contiguous and paged
+caches (pages of 16, 64 and 256 in a shuffled pool with a random block table), mixed lengths including 0 and 1,
+appends, decode and chunked prefill, GQA packed into one tile, split-KV (the heuristic and forced splits),
+causal, a sliding window, softcap, sinks and left padding. Every cache position no sequence owns is NaN, and
+outputs are allocated NaN-filled (poisoned_empty), so a read or write out of place shows. Runs with
+TRITON_INTERPRET=1 in its own process (test_interpreter_suite.py)."""
+
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs TRITON_INTERPRET=1 in its own process (test_interpreter_suite starts it)")
+
+import attnforge  # noqa: E402
+from attnforge.api import _causal_mask  # noqa: E402
+from attnforge.testing import assert_close, oracle, peer_error  # noqa: E402
+
+BACKENDS = ["triton_fa2", "triton_rocm"]
+D = 32
+LENGTHS = [0, 1, 17, 113]  # cached tokens per sequence before the append
+
+
+def filled(gen, lengths, capacity, heads_kv):
+    """Contiguous (B, capacity, heads_kv, D) fp16 caches with ``lengths`` random tokens each, NaN past them."""
+    k_cache, v_cache = (torch.full((len(lengths), capacity, heads_kv, D), float("nan"), dtype=torch.float16)
+                        for _ in range(2))
+    for b, n in enumerate(lengths):
+        for cache in (k_cache, v_cache):
+            cache[b, :n] = torch.randn(n, heads_kv, D, generator=gen).half()
+    return k_cache, v_cache
+
+
+def as_pages(cache, table, page_size, pool):
+    """The same cache as pages of ``page_size`` in a pool of ``pool`` pages (NaN where no sequence's page is)."""
+    pages = torch.full((pool, page_size, *cache.shape[2:]), float("nan"), dtype=cache.dtype)
+    for b in range(cache.shape[0]):
+        for i in range(table.shape[1]):
+            pages[table[b, i]] = cache[b, i * page_size:(i + 1) * page_size]
+    return pages
+
+
+def random_table(gen, batch, per_seq, pool):
+    return torch.randperm(pool, generator=gen)[:batch * per_seq].to(torch.int32).reshape(batch, per_seq)
+
+
+def expected(q, k_cache, v_cache, starts, ends, mask, scale, softcap, sinks):
+    """Per sequence: fp64 math and torch's fp16 error over cache positions [start, end) of a contiguous cache."""
+    outs = []
+    for b in range(q.shape[0]):
+        bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (q[b], k_cache[b, starts[b]:ends[b]], v_cache[b, starts[b]:ends[b]])]
+        if ends[b] == starts[b]:  # no key: output 0, LSE -inf (or the sink's)
+            lse = (torch.full((1, q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float64) if sinks is None
+                   else sinks.double()[None, :, None].expand(1, q.shape[2], q.shape[1]))
+            zero = torch.zeros_like(bhsd[0], dtype=torch.float64)
+            outs.append((zero, lse, zero))
+            continue
+        ref, ref_lse, _ = oracle(*bhsd, mask=mask, scale=scale, softcap=softcap, sinks=sinks)
+        peer, _ = peer_error(*bhsd, mask=mask, scale=scale, softcap=softcap, sinks=sinks)
+        outs.append((ref, ref_lse, peer))
+    return outs
+
+
+def check(out, lse, refs, longest):
+    ulps = 4 * math.sqrt(max(longest, D))
+    for b, (ref, ref_lse, peer) in enumerate(refs):
+        assert_close(f"out[{b}]", out[b].transpose(0, 1).unsqueeze(0), ref, peer, ulps=ulps)
+        assert_close(f"lse[{b}]", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ulps)
+
+
+# (heads_q, heads_kv, seqlen_q, seqlen_new, causal, window, softcap, sinks, leftpad, num_splits)
+CASES = [
+    (8, 2, 1, 0, False, (-1, -1), 0.0, False, False, 0),  # GQA decode, the heuristic's splits
+    (8, 2, 1, 1, True, (-1, -1), 0.0, False, False, 3),  # decode with an append, forced splits
+    (2, 2, 5, 5, True, (-1, -1), 0.0, False, False, 1),  # chunked prefill, one split
+    (4, 1, 3, 3, True, (16, -1), 0.0, False, True, 0),  # sliding window and left padding
+    (4, 2, 2, 0, False, (-1, -1), 5.0, True, False, 4),  # softcap and sinks across splits
+]
+
+
+def case_id(case):
+    hq, hkv, nq, new, causal, window, cap, sinks, pad, splits = case
+    flags = [f for f, on in (("causal", causal), (f"w{window[0]}", window != (-1, -1)), (f"cap{cap:g}", cap > 0),
+                             ("sinks", sinks), ("leftpad", pad)) if on]
+    return f"h{hq}/{hkv}-nq{nq}-new{new}-s{splits}" + ("-" + "-".join(flags) if flags else "")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_size", [0, 16, 64, 256], ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_kvcache_kernel_against_fp64(backend, page_size, case, gen, poisoned_empty):
+    hq, hkv, nq, new, causal, window, cap, with_sinks, with_pad, splits = case
+    batch = len(LENGTHS)
+    capacity = 256 if page_size in (0, 256) else 128 + page_size  # room for the longest plus the append
+    k_cache, v_cache = filled(gen, LENGTHS, capacity, hkv)
+    pads = [min(n, 2 * b) for b, n in enumerate(LENGTHS)] if with_pad else [0] * batch
+    q = torch.randn(batch, nq, hq, D, generator=gen).half()
+    k_new, v_new = ((torch.randn(batch, new, hkv, D, generator=gen).half() for _ in range(2)) if new else (None, None))
+    sinks = torch.randn(hq, generator=gen) * 2.0 if with_sinks else None
+    mask = _causal_mask(causal, window)
+    kwargs = dict(cache_seqlens=torch.tensor(LENGTHS, dtype=torch.int32), causal=causal, window_size=window,
+                  softcap=cap, sinks=sinks, num_splits=splits, scale=0.3, return_lse=True, backend=backend)
+    if with_pad:
+        kwargs["cache_leftpad"] = torch.tensor(pads, dtype=torch.int32)
+    dense_k, dense_v = k_cache.clone(), v_cache.clone()  # the oracle's copy, appended here by hand
+    for b, n in enumerate(LENGTHS):
+        if new:
+            dense_k[b, n:n + new], dense_v[b, n:n + new] = k_new[b], v_new[b]
+    if page_size:
+        per_seq = capacity // page_size
+        pool = batch * per_seq + 5
+        table = random_table(gen, batch, per_seq, pool)
+        k_pages, v_pages = as_pages(k_cache, table, page_size, pool), as_pages(v_cache, table, page_size, pool)
+        out, lse = attnforge.attention_with_kvcache(q, k_pages, v_pages, k_new, v_new, block_table=table, **kwargs)
+        for b, n in enumerate(LENGTHS):  # the append landed in the right pages, and nothing else changed
+            assert torch.equal(torch.cat([k_pages[p] for p in table[b].tolist()]).nan_to_num(7.0),
+                               dense_k[b].nan_to_num(7.0))
+    else:
+        out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
+        assert torch.equal(k_cache.nan_to_num(7.0), dense_k.nan_to_num(7.0))
+        assert torch.equal(v_cache.nan_to_num(7.0), dense_v.nan_to_num(7.0))
+    assert attnforge.last_decision().forward.backend == backend
+    ends = [n + new for n in LENGTHS]
+    refs = expected(q, dense_k, dense_v, pads, ends, mask, 0.3, cap, sinks)
+    assert out.shape == (batch, nq, hq, D) and lse.shape == (batch, hq, nq)
+    check(out, lse, refs, max(ends))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_key_makes_its_rows_nan_across_splits(backend, gen, poisoned_empty):
+    """NaN never passes: a NaN in one split's keys makes every row that sees it NaN after the combine."""
+    k_cache, v_cache = filled(gen, [100, 100], 128, 1)
+    k_cache[0, 70] = float("nan")
+    q = torch.randn(2, 1, 2, D, generator=gen).half()
+    out = attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=100, num_splits=4, backend=backend)
+    assert out[0].isnan().all() and out[1].isfinite().all()
+
+
+def test_decision_names_the_kernel_and_why_others_cannot():
+    k_cache = torch.zeros(2, 64, 2, D, dtype=torch.float16)
+    q = torch.zeros(2, 1, 8, D, dtype=torch.float16)
+    attnforge.attention_with_kvcache(q, k_cache, k_cache, cache_seqlens=5, backend="triton_fa2")
+    decision = attnforge.last_decision()
+    assert decision.problem.kv_cache == "contiguous" and "kvcache 16x64" in str(decision)
+    with pytest.raises(attnforge.BackendUnavailableError, match="KV cache is not supported"):
+        attnforge.attention_with_kvcache(q, k_cache, k_cache, cache_seqlens=5, backend="sdpa")

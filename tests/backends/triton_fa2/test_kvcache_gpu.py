@@ -1,0 +1,83 @@
+"""The KV-cache kernel on an NVIDIA GPU, through attention_with_kvcache in bf16 and fp16, against fp64 math per
+sequence: every head dim its table declares, contiguous and paged caches (pages of 16, 64 and 256, shuffled,
+with a random block table), lengths 0, 1, 17, 1023 and 4099, appends, decode and chunked prefill, GQA, the split
+heuristic and forced splits, causal, windows, softcap and sinks. Unowned cache positions are NaN and outputs
+NaN-filled before the run (poisoned_empty)."""
+
+import math
+
+import pytest
+import torch
+
+import attnforge
+from attnforge.api import _causal_mask
+from attnforge.backends.triton_fa2 import variants
+from attnforge.testing import assert_close, oracle, peer_error
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+LENGTHS = [0, 1, 17, 1023, 4099]
+HEAD_DIMS = sorted(variants.KVCACHE["sm90"])
+
+
+def cache_pair(gen, lengths, capacity, heads_kv, d, dtype):
+    k_cache, v_cache = (torch.full((len(lengths), capacity, heads_kv, d), float("nan"), dtype=dtype) for _ in range(2))
+    for b, n in enumerate(lengths):
+        for c in (k_cache, v_cache):
+            c[b, :n] = torch.randn(n, heads_kv, d, generator=gen).to(dtype)
+    return k_cache.cuda(), v_cache.cuda()
+
+
+def to_pages(cache, table, page_size, pool):
+    pages = torch.full((pool, page_size, *cache.shape[2:]), float("nan"), dtype=cache.dtype, device=cache.device)
+    per_seq = table.shape[1]
+    pages[table.long()] = cache.reshape(cache.shape[0], per_seq, page_size, *cache.shape[2:])
+    return pages
+
+
+# (heads_q, heads_kv, seqlen_q, seqlen_new, causal, window, softcap, sinks, num_splits)
+CASES = [(32, 8, 1, 0, False, (-1, -1), 0.0, False, 0), (32, 8, 1, 1, True, (-1, -1), 0.0, False, 7),
+         (8, 8, 113, 113, True, (-1, -1), 0.0, False, 0), (16, 2, 4, 4, True, (256, -1), 30.0, True, 0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("page_size", [0, 16, 64, 256], ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kvcache_on_the_gpu(case, head_dim, page_size, dtype, gen, poisoned_empty):
+    hq, hkv, nq, new, causal, window, cap, with_sinks, splits = case
+    if head_dim != 128 and page_size not in (0, 64):
+        pytest.skip("page sizes 16 and 256 are covered at d=128 (the kernel's page lookup does not depend on d)")
+    batch, capacity = len(LENGTHS), 4352  # 17 pages of 256, 68 of 64, 272 of 16
+    k_cache, v_cache = cache_pair(gen, LENGTHS, capacity, hkv, head_dim, dtype)
+    q = torch.randn(batch, nq, hq, head_dim, generator=gen).to("cuda", dtype)
+    k_new, v_new = ((torch.randn(batch, new, hkv, head_dim, generator=gen).to("cuda", dtype) for _ in range(2))
+                    if new else (None, None))
+    sinks = (torch.randn(hq, generator=gen) * 2).cuda() if with_sinks else None
+    dense_k, dense_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(LENGTHS):
+        if new:
+            dense_k[b, n:n + new], dense_v[b, n:n + new] = k_new[b], v_new[b]
+    kwargs = dict(cache_seqlens=torch.tensor(LENGTHS, dtype=torch.int32, device="cuda"), causal=causal,
+                  window_size=window, softcap=cap, sinks=sinks, num_splits=splits, return_lse=True, backend="triton_fa2")
+    if page_size:
+        per_seq = capacity // page_size
+        pool = batch * per_seq + 3
+        table = torch.randperm(pool, generator=gen)[:batch * per_seq].to(torch.int32).reshape(batch, per_seq).cuda()
+        k_pages, v_pages = to_pages(k_cache, table, page_size, pool), to_pages(v_cache, table, page_size, pool)
+        out, lse = attnforge.attention_with_kvcache(q, k_pages, v_pages, k_new, v_new, block_table=table, **kwargs)
+    else:
+        out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
+    mask = _causal_mask(causal, window)
+    scale = head_dim ** -0.5
+    for b, n in enumerate(LENGTHS):
+        end = n + new
+        if end == 0:
+            assert (out[b] == 0).all()
+            continue
+        bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (q[b], dense_k[b, :end], dense_v[b, :end])]
+        ref, ref_lse, _ = oracle(*bhsd, mask=mask, scale=scale, softcap=cap, sinks=sinks)
+        peer, _ = peer_error(*bhsd, mask=mask, scale=scale, softcap=cap, sinks=sinks)
+        ulps = 4 * math.sqrt(max(end, head_dim))
+        assert_close(f"out[{b}]", out[b].transpose(0, 1).unsqueeze(0), ref, peer, ulps=ulps)
+        assert_close(f"lse[{b}]", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ulps)
