@@ -2,7 +2,10 @@
 dense cache and FlashAttention-4's flash_attn_varlen_func (seqused_k, page_table), in the same run, on the
 same inputs, with the copy bandwidth of this GPU measured in that run as the roofline.
 
-Kernel speed, not model speed: one attention call per timing (the cache append is not in it). Times are medians
+Kernel speed, not model speed: one attention call per timing (the cache append is not in it). Each is timed two
+ways: the eager call (host work included: attention_with_kvcache checks the lengths and block table on the host,
+one sync) and its kernels replayed from a CUDA graph (" graph": device time only, as a serving loop that captures
+decode runs them; attnforge's graph holds the dispatched backend's forward on a prepared call). Times are medians
 of CUDA-event timings (triton.testing.do_bench), interleaved over rounds. Reported: TFLOP/s with FLOPs = 4 * batch
 * heads_q * seqlen_q * seqlen_k * head_dim, and KV bandwidth = the bytes of K and V read once (2 * batch *
 seqlen_k * heads_kv * head_dim * element size) per second. Outputs are checked against fp32 math first.
@@ -49,6 +52,35 @@ def paged_copy(cache: torch.Tensor, gen) -> tuple[torch.Tensor, torch.Tensor]:
     return pool, table
 
 
+def graphed(fn):
+    """``fn`` captured into a CUDA graph (after a warm-up on a side stream): its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def kernel_call(q, k_cache, v_cache, seqlens, scale, table=None, num_splits=0):
+    """attention_with_kvcache's decided backend and variant with its prepared Call: what runs after the checks."""
+    import attnforge
+    from attnforge.dispatch.call import Call, KVCache
+    from attnforge.dispatch.mask import Mask
+    from attnforge.dispatch.registry import get
+
+    attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, scale=scale,
+                                     num_splits=num_splits)
+    decision = attnforge.last_decision()
+    call = Call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), scale, Mask(),
+                cache=KVCache(seqlens, None, table, int(seqlens.max()), num_splits))
+    backend, variant = get(decision.forward.backend), decision.forward.variant
+    return lambda: backend.forward(variant, call)[0]
+
+
 def runners(shape, gen):
     import attnforge
 
@@ -73,12 +105,20 @@ def runners(shape, gen):
         from flash_attn.cute import flash_attn_varlen_func
 
         def fa4(kc, vc, pt):
-            res = flash_attn_varlen_func(q, kc, vc, seqused_k=seqlens, page_table=pt, softmax_scale=scale, num_splits=0)
+            res = flash_attn_varlen_func(q, kc, vc, seqused_k=seqlens, page_table=pt, softmax_scale=scale, num_splits=1)  # sm90: no split-KV in FA4
             return res[0] if isinstance(res, tuple) else res
         out["fa4"] = lambda: fa4(k_cache, v_cache, None)
         out["fa4-paged64"] = lambda: fa4(k_pages, v_pages, table)
     except Exception as exc:  # noqa: BLE001 - the peer is optional; say why it is absent
         print(f"  FlashAttention-4 not run: {type(exc).__name__}: {str(exc)[:160]}")
+    out["attnforge graph"] = graphed(kernel_call(q, k_cache, v_cache, seqlens, scale))
+    out["attnforge-paged64 graph"] = graphed(kernel_call(q, k_pages, v_pages, seqlens, scale, table))
+    for name in ("sdpa", "fa4", "fa4-paged64"):
+        if name in out:
+            try:
+                out[f"{name} graph"] = graphed(out[name])
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot be captured is timed eagerly only
+                print(f"  {name}: not captured in a CUDA graph ({type(exc).__name__}: {str(exc)[:120]})")
     ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), k_cache.float().transpose(1, 2),
                                          v_cache.float().transpose(1, 2), scale=scale, enable_gqa=True).transpose(1, 2)
     return out, ref, (q, k_cache, v_cache, seqlens, scale)
@@ -87,6 +127,8 @@ def runners(shape, gen):
 def check(fns, ref) -> dict:
     errors = {}
     for name, fn in list(fns.items()):
+        if name.endswith(" graph"):
+            continue  # a replay returns nothing: its eager twin's output is checked
         try:
             with torch.no_grad():
                 got = fn()
@@ -105,7 +147,7 @@ def check(fns, ref) -> dict:
 
 
 def sweep(shape, inputs) -> list[dict]:
-    """The KV-cache kernel's tiles x split counts on ``shape`` (contiguous cache), timed one by one."""
+    """The KV-cache kernel's tiles x split counts on ``shape`` (contiguous cache), each replayed from a CUDA graph."""
     from attnforge.backends.triton_fa2.backend import TritonVariant
     from attnforge.backends.triton_fa2.variants import KVTile
     from attnforge.dispatch.call import Call, KVCache
@@ -117,13 +159,14 @@ def sweep(shape, inputs) -> list[dict]:
     q, k_cache, v_cache, seqlens, scale = inputs
     backend = get("triton_fa2")
     rows = []
-    for block_n, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (0, 1, 2, 4, 8, 16, 32, 64)):
+    for block_n, warps, stages, splits in itertools.product((64, 128), (4, 8), (2, 3), (0, 1, 4, 8, 16, 32)):
         tile = KVTile(16, block_n, warps, stages)
         variant = TritonVariant("kvcache", tile, "triton_kvcache.py.jinja", "sm90", d, "bf16", False)
         call = Call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), scale, Mask(),
                     cache=KVCache(seqlens, None, None, n, splits))
         try:
-            ms = time_ms(lambda: backend.forward(variant, call), torch.device("cuda"), 10, 60)[0]
+            replay = graphed(lambda: backend.forward(variant, call))
+            ms = time_ms(replay, torch.device("cuda"), 10, 60)[0]
         except Exception as exc:  # noqa: BLE001 - out of resources: recorded, not fatal
             rows.append(dict(tile=tile.describe(), splits=splits, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
             continue
@@ -160,7 +203,7 @@ def main(argv=None) -> int:
                                         kv_tbs=kv_bytes / (ms * 1e-3) / 1e12)
             r = row["results"][impl]
             print(f"  {impl:18s} {ms * 1e3:8.1f} us  {r['tflops']:6.1f} TFLOP/s  {r['kv_tbs']:5.2f} TB/s KV "
-                  f"({r['kv_tbs'] * 1e12 / copy:.0%} of copy)  err {errors[impl]:.2e}")
+                  f"({r['kv_tbs'] * 1e12 / copy:.0%} of copy)" + (f"  err {errors[impl]:.2e}" if impl in errors else ""))
         if args.sweep:
             row["sweep"] = sweep(shape, inputs)
             for r in row["sweep"][:6]:

@@ -5,23 +5,32 @@ from __future__ import annotations
 
 from ...runtime.triton_aot import KernelBuild, kernel_function
 
-# Pointer arguments that hold fp32 whatever the inputs' dtype; every other pointer holds the data dtype.
-FP32_POINTERS = {"LSE", "DELTA", "SINKS", "SLOPES"}
+# Pointer arguments that hold fp32 or int32 whatever the inputs' dtype; every other pointer holds the data dtype.
+FP32_POINTERS = {"LSE", "DELTA", "SINKS", "SLOPES", "O_PART", "LSE_PART"}
+INT32_POINTERS = {"SEQLENS", "LEFTPAD", "BLOCK_TABLE"}
 # Upper-case parameters that are sizes, not pointers.
-SIZES = ("B", "H", "GROUP", "N_Q", "N_K")
+SIZES = ("B", "H", "GROUP", "N_Q", "N_K", "H_KV", "PAGE_SIZE", "KEYS_PER_SPLIT", "NUM_SPLITS")
 TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16"}
-KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dkdv_kernel", "dq_kernel", "preprocess_kernel")}
+KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dkdv_kernel", "dq_kernel", "preprocess_kernel"),
+           "kvcache": ("kvcache_kernel", "combine_kernel")}
+# The KV-cache module's launch() specialisations that are built ahead of time: the kernel writing the output
+# itself (one split) or fp32 partials, for contiguous and paged caches, without left padding (padded calls JIT);
+# the combine for these split counts' powers of two (variants.MAX_SPLITS at most).
+KV_SPLIT_POWERS = (2, 4, 8, 16, 32, 64, 128)
 
 
-def signature(fn, dtype: str) -> tuple[tuple, tuple]:
+def signature(fn, dtype: str, fp32_out: bool = False) -> tuple[tuple, tuple]:
     """(signature, aligned pointers) of a generated kernel as the JIT sees it for 16-byte-aligned tensors:
-    upper-case parameters are pointers (fp32 for LSE and DELTA), ``*scale*`` are fp32, the rest i32."""
+    upper-case parameters are pointers (fp32 for LSE and DELTA; O too with ``fp32_out``; int32 for lengths and
+    block tables), ``*scale*`` are fp32, the rest i32."""
     sig, aligned = [], []
     for p in fn.params:
         if p.is_constexpr:
             sig.append((p.name, "constexpr"))
         elif p.name.isupper() and p.name not in SIZES:
-            sig.append((p.name, "*fp32" if p.name in FP32_POINTERS else f"*{TRITON_DTYPES[dtype]}"))
+            kind = ("fp32" if p.name in FP32_POINTERS or (fp32_out and p.name == "O") else
+                    "i32" if p.name in INT32_POINTERS else TRITON_DTYPES[dtype])
+            sig.append((p.name, f"*{kind}"))
             aligned.append(p.name)
         elif "scale" in p.name:
             sig.append((p.name, "fp32"))
@@ -32,6 +41,8 @@ def signature(fn, dtype: str) -> tuple[tuple, tuple]:
 
 def builds(variant, path) -> list[KernelBuild]:
     """Every kernel of ``variant``'s module (rendered at ``path``), as its launch() specialises them."""
+    if variant.family == "kvcache":
+        return kvcache_builds(variant, path)
     tile, out = variant.tile, []
     options = tuple(sorted(tile.params().get("launch_options", {}).items()))
     pad = 1 << (variant.head_dim - 1).bit_length()
@@ -48,4 +59,27 @@ def builds(variant, path) -> list[KernelBuild]:
         constexprs = (("HEAD_DIM", pad), ("D", variant.head_dim)) + tuple(flags.items())
         out.append(KernelBuild(str(path), tile.module, kernel, variant.arch, variant.dtype, variant.head_dim, causal,
                                tile.num_warps, tile.num_stages, sig, constexprs, aligned, options))
+    return out
+
+
+def kvcache_builds(variant, path) -> list[KernelBuild]:
+    """The KV-cache module's kernels as its launch() specialises them (KV_SPLIT_POWERS above)."""
+    tile, out = variant.tile, []
+    pad = 1 << (variant.head_dim - 1).bit_length()
+    head = (("HEAD_DIM", pad), ("D", variant.head_dim))
+    fn = kernel_function(str(path), "kvcache_kernel")
+    flags = (("CAUSAL", variant.causal and not variant.local), ("LOCAL", variant.local), ("SOFTCAP", variant.softcap),
+             ("HAS_SINKS", variant.sinks))
+    for fp32_out in (False, True):
+        sig, aligned = signature(fn, variant.dtype, fp32_out)
+        for paged in (False, True):
+            constexprs = head + flags + (("PAGED", paged), ("HAS_LEFTPAD", False), ("SPLIT", fp32_out))
+            out.append(KernelBuild(str(path), tile.module, "kvcache_kernel", variant.arch, variant.dtype,
+                                   variant.head_dim, dict(flags)["CAUSAL"], tile.num_warps, tile.num_stages, sig,
+                                   constexprs, aligned, ()))
+    fn = kernel_function(str(path), "combine_kernel")
+    sig, aligned = signature(fn, variant.dtype)
+    for splits in KV_SPLIT_POWERS:
+        out.append(KernelBuild(str(path), tile.module, "combine_kernel", variant.arch, variant.dtype, variant.head_dim,
+                               False, 4, 1, sig, (("SPLITS", splits),) + head, aligned, ()))
     return out

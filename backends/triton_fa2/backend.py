@@ -211,8 +211,6 @@ class TritonFA2Backend(Backend):
         return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, head_dim, dtype, causal)
 
     def builds(self, variant: TritonVariant) -> list:
-        if variant.family == "kvcache":
-            return []  # not prebuilt yet: its kernels JIT-compile on first use (see aot.builds)
         return aot.builds(variant, generated.path_for(variant.source))
 
     def _multiprocessors(self, device: torch.device) -> int:

@@ -215,12 +215,22 @@ BWD: dict[str, dict[int, list[BwdTile]]] = {
 
 # The KV-cache kernel (decode and chunked prefill). block_m here is the most packed rows a tile takes: a call with
 # fewer rows (seqlen_q x query heads per KV head) takes the smallest power of two >= 16 that holds them
-# (kv_tile). Decode is bound by reading K and V, so the key step and pipelining depth are what matter.
-_KV = {d: [KVTile(64, 64, 4, 3)] for d in HEAD_DIMS if d <= 128} | {192: [KVTile(32, 32, 4, 2)], 256: [KVTile(32, 32, 4, 2)]}
-KVCACHE: dict[str, dict[int, list[KVTile]]] = {arch: _KV for arch in FWD}
-# Split-KV: splits are added while batch x KV heads x row tiles is below one CTA per multiprocessor, up to
-# MAX_SPLITS, never below MIN_KEY_BLOCKS_PER_SPLIT key steps each (a split's fixed cost, its partial's write
-# and the combine, is paid once per split).
+# (kv_tile). Decode is bound by reading K and V: on the H200 (benchmarks/bench_kvcache.py --sweep, 2026-12-01,
+# benchmarks/results/2026-12-01-h200-kvcache/) 128-key steps, 3 stages were fastest at d=128 (4.47-4.51 TB/s of KV,
+# w8 and w4 within 0.3%), 32-key steps 5-15% slower. Triton 3.9 spills these tiles (its 2-D pointer tensors;
+# up to ~3 KiB at d=128 paged), which the measured speed includes; d192/d256 take the least-spilling 32x32 tile
+# (compile sweep), not timed yet.
+# sm80-sm89/sm120 (not timed yet) take 64-key steps in 2 stages: their smaller shared memory and register file.
+_KV_WIDE = {192: [KVTile(32, 32, 4, 2)], 256: [KVTile(32, 32, 4, 2)]}
+_HOPPER_KV = {d: [KVTile(64, 128, 8, 3)] for d in HEAD_DIMS if d <= 128} | _KV_WIDE
+_AMPERE_KV = {d: [KVTile(64, 64, 4, 2)] for d in HEAD_DIMS if d <= 128} | _KV_WIDE
+KVCACHE: dict[str, dict[int, list[KVTile]]] = {arch: _HOPPER_KV if arch in ("sm90", "sm100") else _AMPERE_KV
+                                               for arch in FWD}
+# Split-KV: a call whose batch x KV heads x row tiles fills less than SPLIT_BELOW_FILL of the multiprocessors gets
+# splits until it fills them, up to MAX_SPLITS, never below MIN_KEY_BLOCKS_PER_SPLIT key steps each (a split's
+# fixed cost, its partial's write and the combine, is paid once per split). Same sweep: 128 tiles on 132 SMs ran
+# 2% faster unsplit than in 2 splits.
+SPLIT_BELOW_FILL = 0.75
 MAX_SPLITS = 128
 MIN_KEY_BLOCKS_PER_SPLIT = 4
 
@@ -242,7 +252,7 @@ def kv_splits(ctas: int, longest: int, block_n: int, multiprocessors: int, asked
     steps = max(-(-longest // block_n), 1)
     if asked > 0:
         splits = asked
-    elif ctas >= multiprocessors:
+    elif ctas >= SPLIT_BELOW_FILL * multiprocessors:
         splits = 1
     else:
         splits = min(-(-multiprocessors // max(ctas, 1)), max(steps // MIN_KEY_BLOCKS_PER_SPLIT, 1), MAX_SPLITS)

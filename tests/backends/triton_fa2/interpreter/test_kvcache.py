@@ -19,6 +19,8 @@ import attnforge  # noqa: E402
 from attnforge.api import _causal_mask  # noqa: E402
 from attnforge.testing import assert_close, oracle, peer_error  # noqa: E402
 
+from .test_interpreter import KV_TILES, module, tile_id  # noqa: E402
+
 BACKENDS = ["triton_fa2", "triton_rocm"]
 D = 32
 LENGTHS = [0, 1, 17, 113]  # cached tokens per sequence before the append
@@ -129,6 +131,37 @@ def test_kvcache_kernel_against_fp64(backend, page_size, case, gen, poisoned_emp
     check(out, lse, refs, max(ends))
 
 
+@pytest.mark.parametrize("tile", KV_TILES, ids=tile_id)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+def test_every_kvcache_tile_fp32(tile, paged, gen):
+    """Each tile's module launched directly on fp32 (exact math in the interpreter): GQA decode rows and a
+    chunked-prefill tile, causal, three splits, lengths 0 to 150."""
+    lengths, hq, hkv, nq, d = [0, 1, 150], 6, 2, 3, 48  # d=48: a padded head dim
+    k_cache, v_cache = (torch.randn(3, 160, hkv, d, generator=gen) for _ in range(2))
+    q = torch.randn(3, nq, hq, d, generator=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    out = torch.full((3, nq, hq, d), float("nan"))
+    lse = torch.full((3, hq, nq), float("nan"))
+    block_n = tile[2].block_n
+    per_split = -(-160 // (3 * block_n)) * block_n
+    if paged:
+        table = random_table(gen, 3, 10, 33)
+        kc, vc = (as_pages(c, table, 16, 33).transpose(1, 2) for c in (k_cache, v_cache))
+    else:
+        table, kc, vc = None, k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    module(tile).launch(q.transpose(1, 2), kc, vc, out.transpose(1, 2), lse, seqlens, causal=True, scale=0.3,
+                        num_splits=-(-160 // per_split), keys_per_split=per_split, block_table=table)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
+            continue
+        bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (q[b], k_cache[b, :n], v_cache[b, :n])]
+        ref, ref_lse, _ = oracle(*bhsd, causal=True, scale=0.3)
+        ulps = 4 * math.sqrt(max(n, d))
+        assert_close("out", out[b].transpose(0, 1).unsqueeze(0), ref, ref.float(), ulps=ulps)
+        assert_close("lse", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ulps)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_nan_key_makes_its_rows_nan_across_splits(backend, gen, poisoned_empty):
     """NaN never passes: a NaN in one split's keys makes every row that sees it NaN after the combine."""
@@ -144,6 +177,6 @@ def test_decision_names_the_kernel_and_why_others_cannot():
     q = torch.zeros(2, 1, 8, D, dtype=torch.float16)
     attnforge.attention_with_kvcache(q, k_cache, k_cache, cache_seqlens=5, backend="triton_fa2")
     decision = attnforge.last_decision()
-    assert decision.problem.kv_cache == "contiguous" and "kvcache 16x64" in str(decision)
+    assert decision.problem.kv_cache == "contiguous" and "kvcache 16x64" in str(decision)  # the interpreter takes sm80's tiles
     with pytest.raises(attnforge.BackendUnavailableError, match="KV cache is not supported"):
         attnforge.attention_with_kvcache(q, k_cache, k_cache, cache_seqlens=5, backend="sdpa")
