@@ -173,7 +173,7 @@ def _tiny_inputs(problem: Problem):
     q, k, v = (rand(HEADS_Q, SEQLEN_Q, problem.head_dim), rand(HEADS_KV, SEQLEN_K, problem.head_dim),
                rand(HEADS_KV, SEQLEN_K, problem.head_dim_v))
     features = dict(softcap=SOFTCAP if problem.softcap else 0.0,
-                    sinks=torch.randn(HEADS_Q, generator=g).to(device) if problem.sinks else None,
+                    sinks=torch.randn(HEADS_Q, generator=g, device="cpu").to(device) if problem.sinks else None,
                     alibi_slopes=(torch.tensor(ALIBI_SLOPES, device=device).expand(BATCH, HEADS_Q).contiguous()
                                   if problem.alibi else None))
     dout = rand(HEADS_Q, SEQLEN_Q, problem.head_dim_v) if dtype != torch.float8_e4m3fn else None
