@@ -19,7 +19,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_table: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
                            causal: bool = False, scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, sinks: torch.Tensor | None = None, num_splits: int = 0,
-                           return_lse: bool = False, backend: str | None = None):
+                           return_lse: bool = False, backend: str | None = None, check_inputs: bool = True):
     """Attention of q (batch, seqlen_q, heads_q, head_dim) against each sequence's cached keys and values.
 
     ``cache_seqlens``: (batch,) int32 or an int: the cache position each sequence's keys end at (default: the
@@ -30,8 +30,15 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``len + i - seqlen_q`` of the ``len`` keys it attends; ``window_size``, ``softcap`` and ``sinks`` are
     attention()'s. ``num_splits``: how many chunks each sequence's keys are split into (flash-decoding); 0 lets
     the backend choose from the multiprocessor count. Returns the output (batch, seqlen_q, heads_q, head_dim_v),
-    and with ``return_lse`` the LSE (batch, heads_q, seqlen_q) fp32. No backward (as flash-attn's). Checks the
-    lengths and block table on the host (one sync); not under torch.compile yet.
+    and with ``return_lse`` the LSE (batch, heads_q, seqlen_q) fp32. No backward (as flash-attn's); not under
+    torch.compile yet.
+
+    ``check_inputs`` (default): the lengths, left pads and the pages they use are checked on the host (one sync),
+    and a value outside the cache raises. ``check_inputs=False`` reads nothing on the host, so the call can be
+    captured in a CUDA graph (a serving loop's decode step): the Triton kernels then read nothing outside the cache
+    whatever the values, and a sequence whose lengths leave the cache, or whose block table names a page that is
+    not there, gets NaN rows; appends are clamped into the cache. The keys are split for the cache's capacity
+    rather than the longest sequence then.
     """
     from .api import _causal_mask
     from .dispatch.call import Call, KVCache
@@ -49,6 +56,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                 "torch.no_grad(), or use attention() or attention_varlen() to train")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise InvalidInputError(f"num_splits must be an int >= 0 (0: chosen for the device), got {num_splits!r}")
+    if not isinstance(check_inputs, bool):
+        raise InvalidInputError(f"check_inputs must be True or False, got {check_inputs!r}")
     mask = _causal_mask(causal, window_size)
     softcap = check_softcap(softcap)
     if sinks is not None:
@@ -72,29 +81,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     device = q.device
     ends = _lengths("cache_seqlens", cache_seqlens, batch, capacity, device)
     starts = _lengths("cache_leftpad", cache_leftpad, batch, capacity, device) if cache_leftpad is not None else None
-    # one host read for every check below: lengths, left pads and the pages the sequences use
-    stats = [ends, starts if starts is not None else torch.zeros_like(ends)]
-    if paged:
-        stats.append(_used_pages(block_table, ends + new, page_size))
-    host = torch.cat(stats).tolist()
-    end_list, start_list = host[:batch], host[batch:2 * batch]
-    if any(n < 0 or n > capacity for n in end_list + start_list):
-        raise InvalidInputError(f"cache_seqlens and cache_leftpad must be between 0 and the cache's {capacity} "
-                                f"tokens, got {end_list} and {start_list}")
-    if any(a > e for a, e in zip(start_list, end_list)):
-        raise InvalidInputError(f"cache_leftpad {start_list} must not pass cache_seqlens {end_list}")
-    full = [n for n in end_list if n + new > capacity]
-    if full:
-        raise InvalidInputError(f"the cache holds {capacity} tokens per sequence: appending {new} to a sequence of "
-                                f"{full[0]} does not fit")
-    if paged and any(p < 0 or p >= pages for p in host[2 * batch:]):
-        raise InvalidInputError(f"block_table names pages outside the cache's {pages}: "
-                                f"{sorted({p for p in host[2 * batch:] if p < 0 or p >= pages})[:8]}")
+    if check_inputs:
+        longest = _checked_longest(ends, starts, block_table, new, capacity, pages, page_size)
+    else:
+        longest = capacity
     if k is not None:
         _append(k_cache, k, ends, block_table)
         _append(v_cache, v, ends, block_table)
         ends = ends + new
-    longest = max((e + new - s for e, s in zip(end_list, start_list)), default=0)
     problem = Problem(batch=batch, heads_q=heads_q, heads_kv=k_cache.shape[2], seqlen_q=seqlen_q, seqlen_k=longest,
                       head_dim=head_dim, head_dim_v=v_cache.shape[3], dtype=dtype_name(q.dtype), device=detect(device),
                       mask=mask, return_lse=bool(return_lse), softcap=softcap > 0, sinks=sinks is not None,
@@ -139,6 +133,30 @@ def _check_tensors(q, k_cache, v_cache, k, v) -> None:
                                 f"{q.shape[0]}, got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
+def _checked_longest(ends, starts, block_table, new: int, capacity: int, pages: int, page_size: int) -> int:
+    """The most keys a sequence has after the append, after checking on the host (one read) that every length,
+    left pad and used page lies inside the cache."""
+    batch = ends.shape[0]
+    stats = [ends, starts if starts is not None else torch.zeros_like(ends)]
+    if block_table is not None:
+        stats.append(_used_pages(block_table, ends + new, page_size))
+    host = torch.cat(stats).tolist()
+    end_list, start_list = host[:batch], host[batch:2 * batch]
+    if any(n < 0 or n > capacity for n in end_list + start_list):
+        raise InvalidInputError(f"cache_seqlens and cache_leftpad must be between 0 and the cache's {capacity} "
+                                f"tokens, got {end_list} and {start_list}")
+    if any(a > e for a, e in zip(start_list, end_list)):
+        raise InvalidInputError(f"cache_leftpad {start_list} must not pass cache_seqlens {end_list}")
+    full = [n for n in end_list if n + new > capacity]
+    if full:
+        raise InvalidInputError(f"the cache holds {capacity} tokens per sequence: appending {new} to a sequence of "
+                                f"{full[0]} does not fit")
+    stray = sorted({p for p in host[2 * batch:] if p < 0 or p >= pages})
+    if stray:
+        raise InvalidInputError(f"block_table names pages outside the cache's {pages}: {stray[:8]}")
+    return max((e + new - s for e, s in zip(end_list, start_list)), default=0)
+
+
 def _lengths(name: str, value, batch: int, capacity: int, device) -> torch.Tensor:
     """``value`` as a (batch,) int32 tensor on ``device`` (an int, or an int32 tensor already)."""
     if value is None:
@@ -167,11 +185,14 @@ def _used_pages(block_table: torch.Tensor, ends: torch.Tensor, page_size: int) -
 
 def _append(cache: torch.Tensor, new: torch.Tensor, at: torch.Tensor, block_table: torch.Tensor | None) -> None:
     """Write ``new`` (batch, n, heads, dim) into ``cache`` at positions ``at[b]`` ... ``at[b] + n - 1`` of each
-    sequence, in place, on the device (no host loop)."""
+    sequence, in place, on the device (no host loop). Positions and pages are clamped into the cache, so that
+    unchecked values (check_inputs=False) never write outside it."""
     positions = at.long()[:, None] + torch.arange(new.shape[1], device=new.device)
     if block_table is None:
+        positions = positions.clamp(0, cache.shape[1] - 1)
         cache[torch.arange(new.shape[0], device=new.device)[:, None], positions] = new
         return
     page_size = cache.shape[1]
-    page = block_table.long().gather(1, positions // page_size)
+    positions = positions.clamp(0, block_table.shape[1] * page_size - 1)
+    page = block_table.long().gather(1, positions // page_size).clamp(0, cache.shape[0] - 1)
     cache[page, positions % page_size] = new

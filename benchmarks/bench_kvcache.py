@@ -2,10 +2,10 @@
 dense cache and FlashAttention-4's flash_attn_varlen_func (seqused_k, page_table), in the same run, on the
 same inputs, with the copy bandwidth of this GPU measured in that run as the roofline.
 
-Kernel speed, not model speed: one attention call per timing (the cache append is not in it). Each is timed two
-ways: the eager call (host work included: attention_with_kvcache checks the lengths and block table on the host,
-one sync) and its kernels replayed from a CUDA graph (" graph": device time only, as a serving loop that captures
-decode runs them; attnforge's graph holds the dispatched backend's forward on a prepared call). Times are medians
+Kernel speed, not model speed: one attention call per timing (the cache append is not in it). Each is timed
+eagerly (host work included: attention_with_kvcache checks the lengths and block table on the host, one sync;
+" unchecked" is check_inputs=False, no host read) and replayed from a CUDA graph (" graph": device time only, as a
+serving loop that captures decode runs it; attnforge's graph is the check_inputs=False call). Times are medians
 of CUDA-event timings (triton.testing.do_bench), interleaved over rounds. Reported: TFLOP/s with FLOPs = 4 * batch
 * heads_q * seqlen_q * seqlen_k * head_dim, and KV bandwidth = the bytes of K and V read once (2 * batch *
 seqlen_k * heads_kv * head_dim * element size) per second. Outputs are checked against fp32 math first.
@@ -65,22 +65,6 @@ def graphed(fn):
     return graph.replay
 
 
-def kernel_call(q, k_cache, v_cache, seqlens, scale, table=None, num_splits=0):
-    """attention_with_kvcache's decided backend and variant with its prepared Call: what runs after the checks."""
-    import attnforge
-    from attnforge.dispatch.call import Call, KVCache
-    from attnforge.dispatch.mask import Mask
-    from attnforge.dispatch.registry import get
-
-    attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, scale=scale,
-                                     num_splits=num_splits)
-    decision = attnforge.last_decision()
-    call = Call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), scale, Mask(),
-                cache=KVCache(seqlens, None, table, int(seqlens.max()), num_splits))
-    backend, variant = get(decision.forward.backend), decision.forward.variant
-    return lambda: backend.forward(variant, call)[0]
-
-
 def runners(shape, gen):
     import attnforge
 
@@ -111,8 +95,12 @@ def runners(shape, gen):
         out["fa4-paged64"] = lambda: fa4(k_pages, v_pages, table)
     except Exception as exc:  # noqa: BLE001 - the peer is optional; say why it is absent
         print(f"  FlashAttention-4 not run: {type(exc).__name__}: {str(exc)[:160]}")
-    out["attnforge graph"] = graphed(kernel_call(q, k_cache, v_cache, seqlens, scale))
-    out["attnforge-paged64 graph"] = graphed(kernel_call(q, k_pages, v_pages, seqlens, scale, table))
+    out["attnforge unchecked"] = lambda: attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                                          scale=scale, check_inputs=False)
+    out["attnforge-paged64 unchecked"] = lambda: attnforge.attention_with_kvcache(
+        q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table, scale=scale, check_inputs=False)
+    out["attnforge graph"] = graphed(out["attnforge unchecked"])
+    out["attnforge-paged64 graph"] = graphed(out["attnforge-paged64 unchecked"])
     for name in ("sdpa", "fa4", "fa4-paged64"):
         if name in out:
             try:
@@ -121,7 +109,7 @@ def runners(shape, gen):
                 print(f"  {name}: not captured in a CUDA graph ({type(exc).__name__}: {str(exc)[:120]})")
     ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), k_cache.float().transpose(1, 2),
                                          v_cache.float().transpose(1, 2), scale=scale, enable_gqa=True).transpose(1, 2)
-    return out, ref, (q, k_cache, v_cache, seqlens, scale)
+    return out, ref, (q, k_cache, v_cache, seqlens, scale, k_pages, v_pages, table)
 
 
 def check(fns, ref) -> dict:
@@ -146,8 +134,9 @@ def check(fns, ref) -> dict:
     return errors
 
 
-def sweep(shape, inputs) -> list[dict]:
-    """The KV-cache kernel's tiles x split counts on ``shape`` (contiguous cache), each replayed from a CUDA graph."""
+def sweep(shape, inputs, paged: bool = False) -> list[dict]:
+    """The KV-cache kernel's tiles x split counts on ``shape`` (the contiguous cache, or the pages of 64), each
+    replayed from a CUDA graph."""
     from attnforge.backends.triton_fa2.backend import TritonVariant
     from attnforge.backends.triton_fa2.variants import KVTile
     from attnforge.dispatch.call import Call, KVCache
@@ -156,14 +145,15 @@ def sweep(shape, inputs) -> list[dict]:
     from attnforge.bench.measure import time_ms
 
     _, batch, n, hq, hkv, d = shape
-    q, k_cache, v_cache, seqlens, scale = inputs
+    q, k_cache, v_cache, seqlens, scale, k_pages, v_pages, table = inputs
+    k, v, table = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
     backend = get("triton_fa2")
     rows = []
-    for block_n, warps, stages, splits in itertools.product((64, 128), (4, 8), (2, 3), (0, 1, 4, 8, 16, 32)):
+    for block_n, warps, stages, splits in itertools.product((64, 128), (4, 8), (2, 3), (0, 1, 2, 4, 8, 16, 32)):
         tile = KVTile(16, block_n, warps, stages)
         variant = TritonVariant("kvcache", tile, "triton_kvcache.py.jinja", "sm90", d, "bf16", False)
-        call = Call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), scale, Mask(),
-                    cache=KVCache(seqlens, None, None, n, splits))
+        call = Call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, Mask(),
+                    cache=KVCache(seqlens, None, table, n, splits))
         try:
             replay = graphed(lambda: backend.forward(variant, call))
             ms = time_ms(replay, torch.device("cuda"), 10, 60)[0]
@@ -205,10 +195,12 @@ def main(argv=None) -> int:
             print(f"  {impl:18s} {ms * 1e3:8.1f} us  {r['tflops']:6.1f} TFLOP/s  {r['kv_tbs']:5.2f} TB/s KV "
                   f"({r['kv_tbs'] * 1e12 / copy:.0%} of copy)" + (f"  err {errors[impl]:.2e}" if impl in errors else ""))
         if args.sweep:
-            row["sweep"] = sweep(shape, inputs)
-            for r in row["sweep"][:6]:
-                print(f"    sweep {r['tile']:28s} splits {r['splits']:3d}: {r.get('ms', 0) * 1e3:8.1f} us "
-                      f"{r.get('kv_tbs', 0):5.2f} TB/s")
+            for paged in (False, True):
+                key = "sweep_paged64" if paged else "sweep"
+                row[key] = sweep(shape, inputs, paged)
+                for r in row[key][:6]:
+                    print(f"    {key} {r['tile']:28s} splits {r['splits']:3d}: {r.get('ms', 0) * 1e3:8.1f} us "
+                          f"{r.get('kv_tbs', 0):5.2f} TB/s")
         report["shapes"].append(row)
     if args.json:
         with open(args.json, "w") as f:

@@ -99,6 +99,9 @@ def test_an_empty_cache_gives_zero_and_minus_inf(gen):
     (dict(cache_seqlens=41), "between 0 and the cache's 40 tokens"),
     (dict(v=None), "pass k and v together"),
     (dict(block_table=torch.zeros(3, 5)), "block_table must be an int32"),
+    (dict(block_table=torch.full((3, 5), 99, dtype=torch.int32)), "names pages outside the cache's 3"),
+    (dict(check_inputs="yes"), "check_inputs must be True or False"),
+    (dict(num_splits=-1), "num_splits must be an int >= 0"),
 ])
 def test_bad_inputs_are_named(change, match, gen):
     k_cache, v_cache = caches(gen, [5, 0, 17])
@@ -107,3 +110,10 @@ def test_bad_inputs_are_named(change, match, gen):
     args.update(change)
     with pytest.raises(InvalidInputError, match=match):
         attnforge.attention_with_kvcache(torch.randn(B, 1, HQ, D, generator=gen), k_cache, v_cache, **args)
+
+
+def test_a_call_that_needs_gradients_is_refused(gen):
+    k_cache, v_cache = caches(gen, [5, 0, 17])
+    q = torch.randn(B, 1, HQ, D, generator=gen, requires_grad=True)
+    with pytest.raises(InvalidInputError, match="has no backward"):
+        attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)

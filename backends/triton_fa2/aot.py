@@ -9,7 +9,7 @@ from ...runtime.triton_aot import KernelBuild, kernel_function
 FP32_POINTERS = {"LSE", "DELTA", "SINKS", "SLOPES", "O_PART", "LSE_PART"}
 INT32_POINTERS = {"SEQLENS", "LEFTPAD", "BLOCK_TABLE"}
 # Upper-case parameters that are sizes, not pointers.
-SIZES = ("B", "H", "GROUP", "N_Q", "N_K", "H_KV", "PAGE_SIZE", "KEYS_PER_SPLIT", "NUM_SPLITS")
+SIZES = ("B", "H", "GROUP", "N_Q", "N_K", "H_KV", "PAGE_SIZE", "KEYS_PER_SPLIT", "NUM_SPLITS", "CAPACITY", "NUM_PAGES")
 TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16"}
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dkdv_kernel", "dq_kernel", "preprocess_kernel"),
            "kvcache": ("kvcache_kernel", "combine_kernel")}

@@ -180,3 +180,35 @@ def test_decision_names_the_kernel_and_why_others_cannot():
     assert decision.problem.kv_cache == "contiguous" and "kvcache 16x64" in str(decision)  # the interpreter takes sm80's tiles
     with pytest.raises(attnforge.BackendUnavailableError, match="KV cache is not supported"):
         attnforge.attention_with_kvcache(q, k_cache, k_cache, cache_seqlens=5, backend="sdpa")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+def test_unchecked_calls_match_checked_ones_and_bad_values_give_nan_rows(backend, paged, gen, poisoned_empty):
+    """check_inputs=False (no host read, CUDA-graph capturable): the same answer on good values; a sequence whose
+    length leaves the cache, or whose block table names no page, gets NaN rows and the others are untouched."""
+    lengths, capacity = [30, 7, 64], 64
+    k_cache, v_cache = filled(gen, lengths, capacity, 2)
+    q = torch.randn(3, 2, 4, D, generator=gen).half()
+    kwargs = dict(causal=True, scale=0.3, return_lse=True, backend=backend)
+    if paged:
+        table = random_table(gen, 3, capacity // 16, 15)
+        k_cache, v_cache = as_pages(k_cache, table, 16, 15), as_pages(v_cache, table, 16, 15)
+        kwargs["block_table"] = table
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    checked = attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **kwargs)
+    unchecked = attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, check_inputs=False, **kwargs)
+    for a, b in zip(checked, unchecked):
+        assert torch.equal(a, b)
+    if paged:  # sequence 1's first page is no page of the 15
+        bad_table = table.clone()
+        bad_table[1, 0] = 99
+        kwargs["block_table"] = bad_table
+    else:  # sequence 1 claims more positions than the cache holds
+        seqlens = torch.tensor([30, capacity + 5, 64], dtype=torch.int32)
+    out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, check_inputs=False,
+                                                **kwargs)
+    assert out[1].isnan().all() and lse[1].isnan().all()
+    assert torch.equal(out[0], checked[0][0]) and torch.equal(out[2], checked[0][2])
+    with pytest.raises(attnforge.InvalidInputError, match="outside the cache|between 0 and"):
+        attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **kwargs)
