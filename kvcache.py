@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from .errors import BackendUnavailableError, InvalidInputError
+from .api import _causal_mask
+from .dispatch.call import Call, KVCache
+from .dispatch.device import detect
+from .dispatch.problem import Problem, check_scale, check_sinks, check_softcap, dtype_name
+from .dispatch.registry import get
+from .dispatch.select import decide_keyed, forced_backend, record
+from .errors import InvalidInputError
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None = None,
@@ -40,13 +46,6 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     not there, gets NaN rows; appends are clamped into the cache. The keys are split for the cache's capacity
     rather than the longest sequence then.
     """
-    from .api import _causal_mask
-    from .dispatch.call import Call, KVCache
-    from .dispatch.device import detect
-    from .dispatch.problem import Problem, check_scale, check_sinks, check_softcap, dtype_name
-    from .dispatch.registry import get
-    from .dispatch.select import decide, forced_backend, record
-
     if torch.compiler.is_compiling():
         raise InvalidInputError("attention_with_kvcache inside torch.compile is not supported yet (it reads the "
                                 "cache lengths on the host); call it eagerly")
@@ -89,13 +88,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _append(k_cache, k, ends, block_table)
         _append(v_cache, v, ends, block_table)
         ends = ends + new
-    problem = Problem(batch=batch, heads_q=heads_q, heads_kv=k_cache.shape[2], seqlen_q=seqlen_q, seqlen_k=longest,
-                      head_dim=head_dim, head_dim_v=v_cache.shape[3], dtype=dtype_name(q.dtype), device=detect(device),
-                      mask=mask, return_lse=bool(return_lse), softcap=softcap > 0, sinks=sinks is not None,
-                      kv_cache="paged" if paged else "contiguous")
-    decision = decide(problem, *forced_backend(backend))
-    if not decision.ok:
-        raise BackendUnavailableError(str(decision))
+    forced = forced_backend(backend)
+    key = ("kvcache", q.shape, k_cache.shape, v_cache.shape, q.dtype, device, paged, longest, mask, softcap > 0,
+           sinks is not None, bool(return_lse), forced)
+    decision = decide_keyed(key, lambda: Problem(
+        batch=batch, heads_q=heads_q, heads_kv=k_cache.shape[2], seqlen_q=seqlen_q, seqlen_k=longest,
+        head_dim=head_dim, head_dim_v=v_cache.shape[3], dtype=dtype_name(q.dtype), device=detect(device), mask=mask,
+        return_lse=bool(return_lse), softcap=softcap > 0, sinks=sinks is not None,
+        kv_cache="paged" if paged else "contiguous"), *forced)
     record(decision)
     cache = KVCache(ends.to(torch.int32), starts, block_table, longest, num_splits)
     call = Call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),

@@ -126,7 +126,7 @@ class TritonFA2Backend(Backend):
 
     def _table(self, family: str) -> dict:
         return {"fwd": self.variants_table.FWD, "bwd": self.variants_table.BWD,
-                "kvcache": self.variants_table.KVCACHE}[family]
+                "kvcache": self.variants_table.KVCACHE, "kvcache-paged": self.variants_table.KVCACHE_PAGED}[family]
 
     def _variant(self, family: str, arch: str, head_dim: int, dtype: str, causal: bool,
                  interpreted: bool = False, local: bool = False, softcap: bool = False, sinks: bool = False,
@@ -162,7 +162,8 @@ class TritonFA2Backend(Backend):
             reasons.append("ALiBi is not in its KV-cache kernel")
         arch = self.interpreter_arch if cpu else problem.device.arch
         rows = problem.seqlen_q * (problem.heads_q // max(problem.heads_kv, 1))
-        tile, why = variants.kv_tile(self._table("kvcache"), arch, problem.head_dim, rows)
+        table = self._table("kvcache-paged" if problem.kv_cache == "paged" else "kvcache")
+        tile, why = variants.kv_tile(table, arch, problem.head_dim, rows)
         reasons += why
         if reasons:
             return None, reasons
@@ -198,14 +199,15 @@ class TritonFA2Backend(Backend):
                             continue
                         if variant not in out:
                             out.append(variant)
-                    for flag, rows in itertools.product(causal, KV_ROWS):
-                        variant = self._kvcache_variant(arch, head_dim, dtype, flag, rows)
+                    for flag, rows, paged in itertools.product(causal, KV_ROWS, (False, True)):
+                        variant = self._kvcache_variant(arch, head_dim, dtype, flag, rows, paged)
                         if variant is not None and variant not in out:
                             out.append(variant)
         return out
 
-    def _kvcache_variant(self, arch: str, head_dim: int, dtype: str, causal: bool, rows: int) -> TritonVariant | None:
-        tile, _ = variants.kv_tile(self._table("kvcache"), arch, head_dim, rows)
+    def _kvcache_variant(self, arch: str, head_dim: int, dtype: str, causal: bool, rows: int,
+                         paged: bool) -> TritonVariant | None:
+        tile, _ = variants.kv_tile(self._table("kvcache-paged" if paged else "kvcache"), arch, head_dim, rows)
         if tile is None:
             return None
         return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, head_dim, dtype, causal)
@@ -229,7 +231,7 @@ class TritonFA2Backend(Backend):
         tile = variant.tile
         ctas = -(-seqlen_q * (heads // k.shape[1]) // tile.block_m) * batch * k.shape[1]
         splits, per_split = variants.kv_splits(ctas, cache.longest, tile.block_n, self._multiprocessors(q.device),
-                                               cache.num_splits)
+                                               cache.num_splits, paged=cache.block_table is not None)
         sinks = None if call.sinks is None else call.sinks.to(torch.float32).contiguous()
         variant.module.launch(q, k, v, out, lse, cache.seqlens, causal=variant.causal, scale=call.scale,
                               num_splits=splits, keys_per_split=per_split, leftpad=cache.leftpad,

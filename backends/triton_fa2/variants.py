@@ -226,6 +226,14 @@ _HOPPER_KV = {d: [KVTile(64, 128, 8, 3)] for d in HEAD_DIMS if d <= 128} | _KV_W
 _AMPERE_KV = {d: [KVTile(64, 64, 4, 2)] for d in HEAD_DIMS if d <= 128} | _KV_WIDE
 KVCACHE: dict[str, dict[int, list[KVTile]]] = {arch: _HOPPER_KV if arch in ("sm90", "sm100") else _AMPERE_KV
                                                for arch in FWD}
+# Paged caches (same sweep, pages of 64, d=128): 128-key steps in 4 warps, 2 stages, with many CTAs in flight were
+# fastest: 4096 CTAs on 132 SMs (8 splits at batch 64 / 8k, 32 at batch 16 / 32k) ran 1.08x the contiguous time,
+# where one split per (sequence, KV head) took 1.9x at batch 16: the block-table load ahead of each key row's load
+# wants latency hidden by more CTAs, so paged calls split up to PAGED_CTAS_PER_MULTIPROCESSOR per multiprocessor.
+_HOPPER_KV_PAGED = {d: [KVTile(64, 128, 4, 2)] for d in HEAD_DIMS if d <= 128} | _KV_WIDE
+KVCACHE_PAGED: dict[str, dict[int, list[KVTile]]] = {arch: _HOPPER_KV_PAGED if arch in ("sm90", "sm100") else _AMPERE_KV
+                                                     for arch in FWD}
+PAGED_CTAS_PER_MULTIPROCESSOR = 32
 # Split-KV: a call whose batch x KV heads x row tiles fills less than SPLIT_BELOW_FILL of the multiprocessors gets
 # splits until it fills them, up to MAX_SPLITS, never below MIN_KEY_BLOCKS_PER_SPLIT key steps each (a split's
 # fixed cost, its partial's write and the combine, is paid once per split). Same sweep: 128 tiles on 132 SMs ran
@@ -245,17 +253,20 @@ def kv_tile(table: dict, arch: str, head_dim: int, rows: int) -> tuple[KVTile | 
     return dataclasses.replace(tile, block_m=block_m), []
 
 
-def kv_splits(ctas: int, longest: int, block_n: int, multiprocessors: int, asked: int = 0) -> tuple[int, int]:
+def kv_splits(ctas: int, longest: int, block_n: int, multiprocessors: int, asked: int = 0,
+              paged: bool = False) -> tuple[int, int]:
     """(splits, keys per split) for ``ctas`` tiles over caches of at most ``longest`` keys: ``asked`` splits when
-    > 0 (flash-attn's num_splits), else the heuristic above. Keys per split is a multiple of block_n and the
-    splits cover ``longest`` (the last may be short; there are never more splits than key steps)."""
+    > 0 (flash-attn's num_splits), else the heuristic above (``paged``: its paged target). Keys per split is a
+    multiple of block_n and the splits cover ``longest`` (the last may be short; never more splits than key
+    steps)."""
     steps = max(-(-longest // block_n), 1)
+    target = (PAGED_CTAS_PER_MULTIPROCESSOR if paged else 1) * multiprocessors
     if asked > 0:
         splits = asked
-    elif ctas >= SPLIT_BELOW_FILL * multiprocessors:
+    elif ctas >= (target if paged else SPLIT_BELOW_FILL * multiprocessors):
         splits = 1
     else:
-        splits = min(-(-multiprocessors // max(ctas, 1)), max(steps // MIN_KEY_BLOCKS_PER_SPLIT, 1), MAX_SPLITS)
+        splits = min(-(-target // max(ctas, 1)), max(steps // MIN_KEY_BLOCKS_PER_SPLIT, 1), MAX_SPLITS)
     per_split = -(-steps // min(splits, steps)) * block_n
     return -(-max(longest, 1) // per_split), per_split
 

@@ -18,7 +18,7 @@ import dataclasses
 
 from ..triton_fa2.variants import HEAD_DIMS, BwdTile, FwdTile, KVTile, tiles_of
 
-__all__ = ["BWD", "FWD", "HEAD_DIMS", "KVCACHE", "RocmBwdTile", "RocmFwdTile"]
+__all__ = ["BWD", "FWD", "HEAD_DIMS", "KVCACHE", "KVCACHE_PAGED", "RocmBwdTile", "RocmFwdTile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,7 @@ BWD: dict[str, dict[int, list[RocmBwdTile]]] = {"gfx90a": _CDNA_BWD, "gfx942": _
 _CDNA_KV = {d: [KVTile(64, 64, 4, 1)] for d in HEAD_DIMS if d <= 128} | {192: [KVTile(32, 32, 4, 1)],
                                                                           256: [KVTile(32, 32, 4, 1)]}
 KVCACHE = {arch: _CDNA_KV for arch in FWD}
+KVCACHE_PAGED = KVCACHE
 
 
 def all_tiles():
