@@ -244,13 +244,27 @@ MIN_KEY_BLOCKS_PER_SPLIT = 4
 
 
 def kv_tile(table: dict, arch: str, head_dim: int, rows: int) -> tuple[KVTile | None, list[str]]:
-    """The KV-cache tile for ``rows`` packed (query, head) rows: the table's, with block_m cut to the smallest
-    power of two >= max(rows, 16) where that is smaller."""
-    tile, reasons = pick(table, arch, head_dim, tuned=False)
-    if tile is None:
-        return None, reasons
-    block_m = min(tile.block_m, max(16, 1 << max(rows - 1, 0).bit_length()))
-    return dataclasses.replace(tile, block_m=block_m), []
+    """The KV-cache tile for ``rows`` packed (query, head) rows: the first of the table's tiles that passes check()
+    with block_m cut to the smallest power of two >= max(rows, 16) where that is smaller, and halved (to 16 at
+    least) until it does; with the reasons when none does."""
+    if arch not in table:
+        return None, [f"no KV-cache tiles for {arch} (has {', '.join(table)})"]
+    candidates = table[arch].get(head_dim)
+    if not candidates:
+        return None, [f"head_dim {head_dim} has no KV-cache tile (has {', '.join(map(str, sorted(table[arch])))})"]
+    want = max(16, 1 << max(rows - 1, 0).bit_length())
+    reasons = []
+    for tile in candidates:
+        tile = dataclasses.replace(tile, block_m=min(tile.block_m, want))
+        while True:
+            why = check(tile, arch, head_dim)
+            if not why:
+                return tile, []
+            if tile.block_m <= 16:
+                reasons += why
+                break
+            tile = dataclasses.replace(tile, block_m=tile.block_m // 2)
+    return None, reasons
 
 
 def kv_splits(ctas: int, longest: int, block_n: int, multiprocessors: int, asked: int = 0,

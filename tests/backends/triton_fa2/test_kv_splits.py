@@ -4,6 +4,7 @@ and the H200 serving shapes get the split counts the sweep behind the heuristic 
 import pytest
 
 from attnforge.backends.triton_fa2 import variants
+from attnforge.backends.triton_rocm import variants as rocm_variants
 
 
 @pytest.mark.parametrize("ctas,longest,block_n,asked,paged", [
@@ -24,3 +25,16 @@ def test_the_h200_shapes_get_the_measured_split_counts(ctas, longest, paged, exp
     """benchmarks/results/2026-12-01-h200-kvcache: contiguous caches fastest unsplit when the CTAs about fill the
     132 SMs, batch 1 at 16 splits; paged caches at about 4096 CTAs."""
     assert variants.kv_splits(ctas, longest, 128, 132, paged=paged)[0] == expected
+
+
+@pytest.mark.parametrize("module", [variants, rocm_variants], ids=["triton_fa2", "triton_rocm"])
+@pytest.mark.parametrize("rows", [1, 4, 16, 17, 64, 1000])
+def test_every_arch_and_head_dim_has_a_kv_tile_for_any_row_count(module, rows):
+    """Decode (a few rows) and chunked prefill (many) find a tile that passes the validity check everywhere, paged
+    or not: a tile too large for the row count's block_m is cut down, never refused."""
+    for table in (module.KVCACHE, module.KVCACHE_PAGED):
+        for arch, dims in table.items():
+            for head_dim in dims:
+                tile, why = variants.kv_tile(table, arch, head_dim, rows)
+                assert tile is not None, (arch, head_dim, rows, why)
+                assert tile.block_m <= max(16, 1 << (rows - 1).bit_length()) and not variants.check(tile, arch, head_dim)
