@@ -117,3 +117,12 @@ def test_a_call_that_needs_gradients_is_refused(gen):
     q = torch.randn(B, 1, HQ, D, generator=gen, requires_grad=True)
     with pytest.raises(InvalidInputError, match="has no backward"):
         attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
+
+
+def test_explain_says_what_serves_a_paged_decode_on_a_gpu_not_here():
+    decision = attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=1, seqlen_k=8192, batch=64,
+                                 heads=32, kv_heads=8, kv_cache="paged")
+    assert decision.forward.backend == "triton_fa2" and "kvcache 16x128" in str(decision)
+    assert "KV cache is not supported" in str(decision)  # why the others cannot
+    with pytest.raises(InvalidInputError, match="kv_cache must be one of"):
+        attnforge.explain(dtype="bf16", head_dim=128, seqlen_q=1, kv_cache="ring")

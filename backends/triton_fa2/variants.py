@@ -217,9 +217,9 @@ BWD: dict[str, dict[int, list[BwdTile]]] = {
 # fewer rows (seqlen_q x query heads per KV head) takes the smallest power of two >= 16 that holds them
 # (kv_tile). Decode is bound by reading K and V: on the H200 (benchmarks/bench_kvcache.py --sweep, 2026-12-01,
 # benchmarks/results/2026-12-01-h200-kvcache/) 128-key steps, 3 stages were fastest at d=128 (4.47-4.51 TB/s of KV,
-# w8 and w4 within 0.3%), 32-key steps 5-15% slower. Triton 3.9 spills these tiles (its 2-D pointer tensors;
-# up to ~3 KiB at d=128 paged), which the measured speed includes; d192/d256 take the least-spilling 32x32 tile
-# (compile sweep), not timed yet.
+# w8 and w4 within 0.3%), 32-key steps 5-15% slower. Triton 3.9 spills these tiles 80-760 B at d=128 (its 2-D
+# pointer tensors), which the measured speed includes; d192/d256 take the least-spilling 32x32 tile (compile
+# sweep), not timed yet.
 # sm80-sm89/sm120 (not timed yet) take 64-key steps in 2 stages: their smaller shared memory and register file.
 _KV_WIDE = {192: [KVTile(32, 32, 4, 2)], 256: [KVTile(32, 32, 4, 2)]}
 _HOPPER_KV = {d: [KVTile(64, 128, 8, 3)] for d in HEAD_DIMS if d <= 128} | _KV_WIDE

@@ -83,7 +83,7 @@ _CDNA_BWD = {32: [_b(32, 128, 128, 32)], 64: [_b(32, 128, 128, 32)], 96: [_b(32,
 BWD: dict[str, dict[int, list[RocmBwdTile]]] = {"gfx90a": _CDNA_BWD, "gfx942": _CDNA_BWD, "gfx950": _CDNA_BWD}
 
 # The KV-cache kernel: one pipelining stage (an LDS buffer per stage, as the forward), 64-key steps to d=128.
-# Compiled for gfx942 in the interpreter-tested template; not timed on AMD hardware.
+# Compiled for gfx942 by the ahead-of-time path (Triton 3.9, no scratch at d=128); not timed on AMD hardware.
 _CDNA_KV = {d: [KVTile(64, 64, 4, 1)] for d in HEAD_DIMS if d <= 128} | {192: [KVTile(32, 32, 4, 1)],
                                                                           256: [KVTile(32, 32, 4, 1)]}
 KVCACHE = {arch: _CDNA_KV for arch in FWD}

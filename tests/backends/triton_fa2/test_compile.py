@@ -137,3 +137,18 @@ def test_prebuilt_kernels_load_from_the_cache_without_compiling(tmp_path, monkey
     found = triton_launch.find_prebuilt(**dict(lookup, kernel=local.module.fwd_kernel, constexprs=local_flags),
                                         cache_dir=tmp_path)
     assert found is not None and found.metadata.name == "fwd_kernel"
+
+
+@pytest.mark.parametrize("backend,arch", [("triton_fa2", "sm90"), ("triton_fa2", "sm80"), ("triton_rocm", "gfx942")])
+def test_kvcache_kernels_compile_for_their_targets(backend, arch, cache):
+    """The KV-cache module's prebuilt kernels (contiguous and paged, one split and fp32 partials, the combine)
+    compile for each target with no GPU: the interpreter does not type-check what the compiler does."""
+    b = registered()[backend]
+    variants_ = [v for v in b.variants([arch], dtypes=("bf16",), head_dims=(128,), causal=(True,)) if v.family == "kvcache"]
+    assert variants_
+    for variant in variants_:
+        builds = b.builds(variant)
+        assert {x.kernel for x in builds} == {"kvcache_kernel", "combine_kernel"}
+        for build in builds[:5]:  # the four kvcache_kernel specialisations and one combine
+            meta, _ = triton_aot.build_cached(build, cache)
+            assert meta["shared_bytes"] <= variants.SMEM[arch], build.name()
