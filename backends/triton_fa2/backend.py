@@ -24,8 +24,8 @@ from ...runtime.env import triton_interpret
 from . import aot, variants
 
 
-# The packed-row counts whose KV-cache tiles codegen renders: a decode step of GQA up to 16 query heads per KV
-# head (block_m 16) and chunked prefill (block_m 64).
+# The packed-row counts whose KV-cache tiles codegen renders and `attnforge build` compiles: a decode step of GQA
+# with up to 16 query heads per KV head (block_m 16) and chunked prefill (the table's largest block_m that fits).
 KV_ROWS = (16, 64)
 
 
