@@ -212,9 +212,15 @@ def _bench(args) -> int:
     return 0
 
 
+# The feature sets whose modules codegen renders besides the plain ones: the KV-cache kernels' (their feature
+# flags are constexprs of the same module, so one set renders every KV-cache module).
+CODEGEN_FEATURES = (frozenset({"kvcache"}),)
+
+
 def _sources(backends):
     """The distinct generated modules (codegen.Source) every variant of ``backends`` runs."""
-    return list(dict.fromkeys(v.source for b in backends for v in b.variants() if v.source is not None))
+    return list(dict.fromkeys(v.source for b in backends for v in b.variants(features=CODEGEN_FEATURES)
+                              if v.source is not None))
 
 
 def _codegen(args) -> int:
@@ -232,7 +238,9 @@ def _codegen(args) -> int:
 BUILD_TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "gfx90a", "gfx942", "gfx950")
 
 
-BUILD_FEATURES = ("window", "softcap", "sinks", "alibi")  # the Triton kernels' feature flags (LOCAL, SOFTCAP, ...)
+# the Triton kernels' feature flags (LOCAL, SOFTCAP, ...), and "kvcache": the KV-cache kernels (with the others of
+# its set: kvcache+window)
+BUILD_FEATURES = ("window", "softcap", "sinks", "alibi", "kvcache")
 
 
 def _feature_sets(text: str) -> tuple[frozenset, ...]:
@@ -471,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the kernels deterministic=True runs (cute_sm90's backward with dQ in key-block order)")
     p.add_argument("--features", type=_feature_sets, default=(),
                    help="also the kernels of these variants: a comma list of feature sets, each a +-joined set of "
-                        f"{', '.join(BUILD_FEATURES)} (window+softcap: both in one kernel); triton_fa2/triton_rocm")
+                        f"{', '.join(BUILD_FEATURES)} (window+softcap: both in one kernel; kvcache: "
+                        "attention_with_kvcache's kernels, kvcache+window with a window); triton_fa2/triton_rocm")
     p.add_argument("--out", help="cache folder (default $ATTNFORGE_CACHE_DIR or ~/.cache/attnforge)")
     p.add_argument("--list", action="store_true", help="list what would be built, build nothing")
     p.add_argument("--keep-asm", action="store_true", help="write PTX and SASS next to each kernel (Triton and CuTe)")

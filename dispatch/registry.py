@@ -79,7 +79,8 @@ class Backend:
         and the tests run. ``strict``: a requested dtype or head dim with no kernel is an error (ValueError
         with the reasons) instead of being left out. ``deterministic``: also the kernels deterministic=True runs,
         where a backend has separate ones. ``features``: also the kernels of these feature sets (each a frozenset
-        of "window", "softcap", "sinks", "alibi"), where a backend has kernels of its own for them. Backends with nothing to build
+        of "window", "softcap", "sinks", "alibi"; with "kvcache", the KV-cache kernels with those features), where
+        a backend has kernels of its own for them. Backends with nothing to build
         return none."""
         return []
 

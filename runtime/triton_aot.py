@@ -70,8 +70,10 @@ class KernelBuild:
         return GPUTarget("cuda", int(self.arch.removeprefix("sm")), 32)
 
     def name(self) -> str:
-        """module.kernel.arch.dtype.d<head dim>.causal|full, then the feature flags it is built with (.local, ...)."""
-        flags = "".join(f".{name.lower()}" for name, on in self.constexprs if on is True and name != "CAUSAL")
+        """module.kernel.arch.dtype.d<head dim>.causal|full, then the feature flags it is built with (.local, ...) and
+        its other integer constants (.splits8)."""
+        flags = "".join(f".{name.lower()}" if on is True else f".{name.lower()}{on}" for name, on in self.constexprs
+                        if (on is True and name != "CAUSAL") or (type(on) is int and name not in ("HEAD_DIM", "D")))
         return (f"{self.module}.{self.kernel}.{self.arch}.{self.dtype}.d{self.head_dim or 'any'}."
                 f"{'causal' if self.causal else 'full'}{flags}")
 

@@ -14,7 +14,7 @@ TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16"}
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dkdv_kernel", "dq_kernel", "preprocess_kernel"),
            "kvcache": ("kvcache_kernel", "combine_kernel")}
 # The KV-cache module's launch() specialisations that are built ahead of time: the kernel writing the output
-# itself (one split) or fp32 partials, for contiguous and paged caches, without left padding (padded calls JIT);
+# itself (one split) or fp32 partials, for the variant's cache layout, without left padding (padded calls JIT);
 # the combine for these split counts' powers of two (variants.MAX_SPLITS at most).
 KV_SPLIT_POWERS = (2, 4, 8, 16, 32, 64, 128)
 
@@ -72,7 +72,7 @@ def kvcache_builds(variant, path) -> list[KernelBuild]:
              ("HAS_SINKS", variant.sinks))
     for fp32_out in (False, True):
         sig, aligned = signature(fn, variant.dtype, fp32_out)
-        for paged in (False, True):
+        for paged in (variant.paged,):
             constexprs = head + flags + (("PAGED", paged), ("HAS_LEFTPAD", False), ("SPLIT", fp32_out))
             out.append(KernelBuild(str(path), tile.module, "kvcache_kernel", variant.arch, variant.dtype,
                                    variant.head_dim, dict(flags)["CAUSAL"], tile.num_warps, tile.num_stages, sig,

@@ -68,13 +68,14 @@ class TritonVariant(Variant):
     softcap: bool = False  # capped scores (the kernels' SOFTCAP; the cap itself is the call's)
     sinks: bool = False  # a sink logit per query head (the forward's HAS_SINKS; the logits are the call's)
     alibi: bool = False  # ALiBi (the kernels' ALIBI; the slopes are the call's)
+    paged: bool = False  # a KV-cache variant for paged caches (the kernel's PAGED)
 
     @property
     def name(self) -> str:
         return (f"{self.tile.module}.{self.arch}.{self.dtype}.d{self.head_dim}."
                 f"{'causal' if self.causal else 'full'}{'.local' if self.local else ''}"
                 f"{'.softcap' if self.softcap else ''}{'.sinks' if self.sinks else ''}"
-                f"{'.alibi' if self.alibi else ''}")
+                f"{'.alibi' if self.alibi else ''}{'.paged' if self.paged else ''}")
 
     def describe(self) -> str:
         features = [f for f, on in (("window", self.local), ("softcap", self.softcap), ("sinks", self.sinks),
@@ -168,7 +169,8 @@ class TritonFA2Backend(Backend):
         if reasons:
             return None, reasons
         return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, problem.head_dim, problem.dtype,
-                             problem.causal, False, cpu, problem.mask.windowed, problem.softcap, problem.sinks), []
+                             problem.causal, False, cpu, problem.mask.windowed, problem.softcap, problem.sinks,
+                             paged=problem.kv_cache == "paged"), []
 
     def _plan(self, problem: Problem) -> Planned:
         if problem.kv_cache:
@@ -189,7 +191,8 @@ class TritonFA2Backend(Backend):
                 for dtype in dtypes or ("fp16", "bf16"):
                     if dtype not in self.support.dtypes:
                         continue
-                    for flag, kinds, family in itertools.product(causal, (frozenset(), *features), ("fwd", "bwd")):
+                    attention_sets = [kinds for kinds in features if "kvcache" not in kinds]
+                    for flag, kinds, family in itertools.product(causal, (frozenset(), *attention_sets), ("fwd", "bwd")):
                         variant, why = self._variant(family, arch, head_dim, dtype, flag, local="window" in kinds,
                                                      softcap="softcap" in kinds, sinks="sinks" in kinds,
                                                      alibi="alibi" in kinds)
@@ -199,18 +202,22 @@ class TritonFA2Backend(Backend):
                             continue
                         if variant not in out:
                             out.append(variant)
-                    for flag, rows, paged in itertools.product(causal, KV_ROWS, (False, True)):
-                        variant = self._kvcache_variant(arch, head_dim, dtype, flag, rows, paged)
+                    kv_sets = [kinds for kinds in features if "kvcache" in kinds and "alibi" not in kinds]
+                    for flag, kinds, rows, paged in itertools.product(causal, kv_sets, KV_ROWS, (False, True)):
+                        variant = self._kvcache_variant(arch, head_dim, dtype, flag, rows, paged, kinds)
                         if variant is not None and variant not in out:
                             out.append(variant)
         return out
 
-    def _kvcache_variant(self, arch: str, head_dim: int, dtype: str, causal: bool, rows: int,
-                         paged: bool) -> TritonVariant | None:
+    def _kvcache_variant(self, arch: str, head_dim: int, dtype: str, causal: bool, rows: int, paged: bool,
+                         kinds: frozenset) -> TritonVariant | None:
+        """The KV-cache variant for these rows and layout, with the features of ``kinds`` ("kvcache" and any of
+        "window", "softcap", "sinks")."""
         tile, _ = variants.kv_tile(self._table("kvcache-paged" if paged else "kvcache"), arch, head_dim, rows)
         if tile is None:
             return None
-        return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, head_dim, dtype, causal)
+        return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, head_dim, dtype, causal,
+                             local="window" in kinds, softcap="softcap" in kinds, sinks="sinks" in kinds, paged=paged)
 
     def builds(self, variant: TritonVariant) -> list:
         return aot.builds(variant, generated.path_for(variant.source))

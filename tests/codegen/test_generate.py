@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import attnforge
-from attnforge.cli import main
+from attnforge.cli import CODEGEN_FEATURES, main
 from attnforge.codegen import Source, render, write
 from attnforge.dispatch import registered
 from attnforge.runtime import generated
@@ -25,7 +25,8 @@ GENERATING = ("cute_sm90", "cute_sm100", "triton_fa2", "triton_rocm")
 
 
 def every_source() -> set:
-    return {v.source for b in registered().values() for v in b.variants() if v.source is not None}
+    return {v.source for b in registered().values() for v in b.variants(features=CODEGEN_FEATURES)
+            if v.source is not None}
 
 
 def files_of(folder: pathlib.Path) -> dict[str, bytes]:

@@ -15,9 +15,11 @@ from attnforge.runtime import triton_aot, triton_launch
 
 
 def plan(archs, **kw):
-    """What `attnforge build` compiles for triton_fa2 on ``archs``: every build of every variant it can pick."""
+    """What `attnforge build` compiles for triton_fa2's attention kernels on ``archs``: every build of every forward
+    and backward variant it can pick (the KV-cache kernels: test_kvcache_kernels_compile_for_their_targets)."""
     backend = registered()["triton_fa2"]
-    return list(dict.fromkeys(b for v in backend.variants(archs, strict=True, **kw) for b in backend.builds(v)))
+    return list(dict.fromkeys(b for v in backend.variants(archs, strict=True, **kw) if v.family != "kvcache"
+                              for b in backend.builds(v)))
 
 
 @pytest.fixture(scope="module")
@@ -141,14 +143,18 @@ def test_prebuilt_kernels_load_from_the_cache_without_compiling(tmp_path, monkey
 
 @pytest.mark.parametrize("backend,arch", [("triton_fa2", "sm90"), ("triton_fa2", "sm80"), ("triton_rocm", "gfx942")])
 def test_kvcache_kernels_compile_for_their_targets(backend, arch, cache):
-    """The KV-cache module's prebuilt kernels (contiguous and paged, one split and fp32 partials, the combine)
+    """The KV-cache modules' prebuilt kernels (contiguous and paged variants, one split and fp32 partials, the combine)
     compile for each target with no GPU: the interpreter does not type-check what the compiler does."""
     b = registered()[backend]
-    variants_ = [v for v in b.variants([arch], dtypes=("bf16",), head_dims=(128,), causal=(True,)) if v.family == "kvcache"]
+    variants_ = b.variants([arch], dtypes=("bf16",), head_dims=(128,), causal=(True,),
+                           features=(frozenset({"kvcache", "softcap"}),))
+    variants_ = [v for v in variants_ if v.family == "kvcache"]
+    assert all(v.softcap for v in variants_)
     assert variants_
     for variant in variants_:
         builds = b.builds(variant)
         assert {x.kernel for x in builds} == {"kvcache_kernel", "combine_kernel"}
-        for build in builds[:5]:  # the four kvcache_kernel specialisations and one combine
+        assert all(dict(x.constexprs)["PAGED"] == variant.paged for x in builds if x.kernel == "kvcache_kernel")
+        for build in builds[:3]:  # the two kvcache_kernel specialisations (one split, partials) and one combine
             meta, _ = triton_aot.build_cached(build, cache)
             assert meta["shared_bytes"] <= variants.SMEM[arch], build.name()
