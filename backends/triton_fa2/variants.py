@@ -270,13 +270,13 @@ def kv_tile(table: dict, arch: str, head_dim: int, rows: int) -> tuple[KVTile | 
 def kv_splits(ctas: int, longest: int, block_n: int, multiprocessors: int, asked: int = 0,
               paged: bool = False) -> tuple[int, int]:
     """(splits, keys per split) for ``ctas`` tiles over caches of at most ``longest`` keys: ``asked`` splits when
-    > 0 (flash-attn's num_splits), else the heuristic above (``paged``: its paged target). Keys per split is a
+    > 0 (flash-attn's num_splits; at most MAX_SPLITS), else the heuristic above (``paged``: its paged target). Keys per split is a
     multiple of block_n and the splits cover ``longest`` (the last may be short; never more splits than key
     steps)."""
     steps = max(-(-longest // block_n), 1)
     target = (PAGED_CTAS_PER_MULTIPROCESSOR if paged else 1) * multiprocessors
     if asked > 0:
-        splits = asked
+        splits = min(asked, MAX_SPLITS)  # (flash-attn caps num_splits at 128 too)
     elif ctas >= (target if paged else SPLIT_BELOW_FILL * multiprocessors):
         splits = 1
     else:

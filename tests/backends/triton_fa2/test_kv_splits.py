@@ -9,7 +9,8 @@ from attnforge.backends.triton_rocm import variants as rocm_variants
 
 @pytest.mark.parametrize("ctas,longest,block_n,asked,paged", [
     (512, 8192, 128, 0, False), (8, 8192, 128, 0, False), (8, 8192, 128, 0, True), (128, 32768, 128, 0, True),
-    (3, 1, 64, 0, False), (3, 0, 64, 0, True), (2, 1000, 64, 7, False), (2, 100, 64, 9, False), (1, 5000, 32, 0, True)])
+    (3, 1, 64, 0, False), (3, 0, 64, 0, True), (2, 1000, 64, 7, False), (2, 100, 64, 9, False), (1, 5000, 32, 0, True),
+    (1, 1 << 20, 128, 1000, False)])
 def test_splits_cover_the_keys_in_whole_steps(ctas, longest, block_n, asked, paged):
     splits, per_split = variants.kv_splits(ctas, longest, block_n, 132, asked, paged)
     assert per_split % block_n == 0 and per_split > 0 and 1 <= splits <= variants.MAX_SPLITS
