@@ -14,7 +14,7 @@ class KVCache(NamedTuple):
     """Where each sequence's keys sit in a KV cache (attention_with_kvcache): cache positions [``leftpad[b]``,
     ``seqlens[b]``) of its row, or of the pages ``block_table[b]`` names. ``seqlens``, ``leftpad`` (B,) int32,
     ``leftpad`` None for 0; ``block_table`` (B, max_pages) int32 or None (contiguous); ``longest`` the largest key
-    count (a host int); ``num_splits`` the key splits asked for (0: the backend's heuristic)."""
+    count (a host int; the capacity when the lengths were not read); ``num_splits`` the key splits asked for (0: the backend's heuristic)."""
 
     seqlens: torch.Tensor
     leftpad: torch.Tensor | None

@@ -66,7 +66,8 @@ class Problem:
     alibi: bool = False  # ALiBi: -slope * |i + Nk - Nq - j| added to the scores (the slopes are the Call's)
     deterministic: bool = False  # the backward must be bitwise reproducible (FlashAttention's deterministic=True)
     # attention_with_kvcache's keys and values: "" (dense k, v), "contiguous" (a (batch, max_seqlen) cache row per
-    # sequence) or "paged" (pages a block table names); seqlen_k is then the longest sequence's key count
+    # sequence) or "paged" (pages a block table names); seqlen_k is then the longest sequence's key count (the
+    # cache's capacity when the lengths are not read on the host: check_inputs=False)
     kv_cache: str = ""
 
     def __post_init__(self):
