@@ -46,7 +46,7 @@ def _explain(args) -> int:
                            kv_heads=args.kv_heads, causal=args.causal, dropout_p=args.dropout_p,
                            needs_grad=args.needs_grad, return_lse=args.return_lse, backend=args.backend,
                            window_size=args.window_size, softcap=args.softcap, sinks=args.sinks, alibi=args.alibi,
-                           deterministic=args.deterministic)
+                           deterministic=args.deterministic, varlen=args.varlen)
     print(json.dumps(decision.to_dict(), indent=2) if args.json else decision)
     return 0 if decision.ok else 1
 
@@ -213,8 +213,9 @@ def _bench(args) -> int:
 
 
 # The feature sets whose modules codegen renders besides the plain ones: the KV-cache kernels' (their feature
-# flags are constexprs of the same module, so one set renders every KV-cache module).
-CODEGEN_FEATURES = (frozenset({"kvcache"}),)
+# flags are constexprs of the same module, so one set renders every KV-cache module) and the packed-batch
+# kernels' (pointer loads where the plain tile takes descriptors).
+CODEGEN_FEATURES = (frozenset({"kvcache"}), frozenset({"varlen"}))
 
 
 def _sources(backends):
@@ -238,9 +239,9 @@ def _codegen(args) -> int:
 BUILD_TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "gfx90a", "gfx942", "gfx950")
 
 
-# the Triton kernels' feature flags (LOCAL, SOFTCAP, ...), and "kvcache": the KV-cache kernels (with the others of
-# its set: kvcache+window)
-BUILD_FEATURES = ("window", "softcap", "sinks", "alibi", "kvcache")
+# the Triton kernels' feature flags (LOCAL, SOFTCAP, ..., VARLEN for attention_varlen's packed batches), and
+# "kvcache": the KV-cache kernels (with the others of its set: kvcache+window)
+BUILD_FEATURES = ("window", "softcap", "sinks", "alibi", "varlen", "kvcache")
 
 
 def _feature_sets(text: str) -> tuple[frozenset, ...]:
@@ -452,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "default 0 (none)")
     p.add_argument("--sinks", action="store_true", help="a sink logit per query head (gpt-oss)")
     p.add_argument("--alibi", action="store_true", help="ALiBi slopes")
+    p.add_argument("--varlen", action="store_true", help="a packed batch (attention_varlen): --batch sequences, the "
+                                                         "longest of --seqlen-q queries and --seqlen-k keys")
     p.add_argument("--dropout-p", type=float, default=0.0)
     p.add_argument("--needs-grad", action="store_true", help="also decide the backward")
     p.add_argument("--deterministic", action="store_true", help="the backward must be bitwise reproducible")
@@ -479,8 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the kernels deterministic=True runs (cute_sm90's backward with dQ in key-block order)")
     p.add_argument("--features", type=_feature_sets, default=(),
                    help="also the kernels of these variants: a comma list of feature sets, each a +-joined set of "
-                        f"{', '.join(BUILD_FEATURES)} (window+softcap: both in one kernel; kvcache: "
-                        "attention_with_kvcache's kernels, kvcache+window with a window); triton_fa2/triton_rocm")
+                        f"{', '.join(BUILD_FEATURES)} (window+softcap: both in one kernel; varlen: "
+                        "attention_varlen's kernels; kvcache: attention_with_kvcache's kernels, kvcache+window with "
+                        "a window); triton_fa2/triton_rocm")
     p.add_argument("--out", help="cache folder (default $ATTNFORGE_CACHE_DIR or ~/.cache/attnforge)")
     p.add_argument("--list", action="store_true", help="list what would be built, build nothing")
     p.add_argument("--keep-asm", action="store_true", help="write PTX and SASS next to each kernel (Triton and CuTe)")

@@ -1,42 +1,49 @@
 """Variable-length (packed) batches with FlashAttention's names and layouts: ``attention_varlen``.
 
 Sequences are packed along the first dim, (total_tokens, heads, head_dim), and delimited by int32
-``cu_seqlens`` (batch + 1 offsets from 0), as ``flash_attn_varlen_func`` takes them. Each sequence runs as its
-own ``attention()`` call (layout "bshd", a view of the packed tensors: no copy, no padding), so every backend,
-mask and variant the dense call has applies, with a Decision per sequence shape. There is no varlen kernel yet:
-the calls are made one after another (one launch or more per sequence), which costs host time on batches of
-many short sequences.
+``cu_seqlens`` (batch + 1 offsets from 0), as ``flash_attn_varlen_func`` takes them. The call is one dispatched
+Problem (``varlen``; batch counts the sequences, seqlen_q/seqlen_k are the longest's): triton_fa2 and triton_rocm
+run it in one launch of their VARLEN kernels (forward and backward), each CTA finding its sequence's rows
+through the offsets, so no padding is computed and no CTA runs past its sequence; sdpa and reference, where they
+serve, run one sequence at a time on views of the packed tensors. The Decision says which ran and why the others
+could not.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .dispatch.call import Call, Varlen
+from .dispatch.problem import Problem, check_scale, check_sinks, check_softcap, check_deterministic, problem_from_tensors
+from .dispatch.registry import get
+from .dispatch.select import decide_keyed, forced_backend, record
 from .errors import InvalidInputError
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
-                     scale: float | None = None, window_size: tuple[int, int] = (-1, -1), return_lse: bool = False,
-                     backend: str | None = None):
+                     scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                     return_lse: bool = False, deterministic: bool = False, backend: str | None = None):
     """Attention over a packed batch: sequence i is rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q against rows
     ``cu_seqlens_k[i]:cu_seqlens_k[i+1]`` of k and v, with attention()'s semantics (``causal`` bottom-right per
-    sequence, ``window_size``, ``scale`` default 1/sqrt(head_dim), GQA).
+    sequence, ``window_size``, ``softcap``, ``sinks``, ``scale`` default 1/sqrt(head_dim), GQA, ``deterministic``).
 
     q: (total_q, heads_q, head_dim), k: (total_k, heads_kv, head_dim), v: (total_k, heads_kv, head_dim_v);
     cu_seqlens_*: int32 (batch + 1,) offsets from 0 to total, non-decreasing (zero-length sequences allowed);
-    ``max_seqlen_*``: at least the longest sequence (checked). Returns the output (total_q, heads_q, head_dim_v)
-    and with ``return_lse`` the natural-log LSE (heads_q, total_q) in fp32, -inf for rows that see no key.
-    Differentiable (the LSE too). Reads the offsets on the host (one device sync); not under torch.compile yet.
+    ``max_seqlen_*``: at least the longest sequence (checked). ``alibi_slopes``: (heads_q,) or (batch, heads_q)
+    floats, a row per sequence (FlashAttention's). Returns the output (total_q, heads_q, head_dim_v) and with
+    ``return_lse`` the natural-log LSE (heads_q, total_q) in fp32, -inf for rows that see no key. Differentiable
+    (the LSE and sinks too). Reads the offsets on the host (one device sync); not under torch.compile yet.
     """
-    from .api import attention
-    from .op import lse_dtype
-
     if torch.compiler.is_compiling():
         raise InvalidInputError("attention_varlen inside torch.compile is not supported yet (it reads cu_seqlens on "
                                 "the host); call it eagerly")
-    for name, t, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3)):
-        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+    from .api import _Attention, _causal_mask
+    from .op import lse_dtype
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise InvalidInputError(f"{name} must be a (total_tokens, heads, head_dim) tensor, got "
                                     f"{getattr(t, 'shape', type(t).__name__)}")
     if k.shape[0] != v.shape[0]:
@@ -46,26 +53,48 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if len(bounds_q) != len(bounds_k):
         raise InvalidInputError(f"cu_seqlens_q has {len(bounds_q) - 1} sequences and cu_seqlens_k "
                                 f"{len(bounds_k) - 1}: they must have the same batch")
-    _check_max("max_seqlen_q", max_seqlen_q, bounds_q)
-    _check_max("max_seqlen_k", max_seqlen_k, bounds_k)
-    outs, lses = [], []
-    for (qa, qb), (ka, kb) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
-        if qb == qa:
-            continue  # no query rows: nothing to compute or return
-        if kb == ka:  # no key: every row gives 0 and LSE -inf (attention()'s rule for a row that sees no key)
-            outs.append(q.new_zeros((qb - qa, q.shape[1], v.shape[2])))  # (no gradient reaches q from these rows)
-            lses.append(torch.full((q.shape[1], qb - qa), float("-inf"), device=q.device, dtype=lse_dtype(q)))
-            continue
-        out, lse = attention(q[qa:qb].unsqueeze(0), k[ka:kb].unsqueeze(0), v[ka:kb].unsqueeze(0), causal=causal, scale=scale,
-                             layout="bshd", window_size=window_size, return_lse=True, backend=backend)
-        outs.append(out[0])
-        lses.append(lse[0])
-    if not outs:  # every sequence has no query row
-        out = q.new_zeros((0, q.shape[1], v.shape[2]))
-        lse = torch.zeros((q.shape[1], 0), device=q.device, dtype=lse_dtype(q))
+    longest_q = _check_max("max_seqlen_q", max_seqlen_q, bounds_q)
+    longest_k = _check_max("max_seqlen_k", max_seqlen_k, bounds_k)
+    sequences = len(bounds_q) - 1
+    mask = _causal_mask(causal, window_size)
+    softcap = check_softcap(softcap)
+    deterministic = check_deterministic(deterministic)
+    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, heads, dim): one packed "batch"
+    if sinks is not None:
+        check_sinks(sinks, q4, "bshd")
+    if alibi_slopes is not None:
+        alibi_slopes = _slopes(alibi_slopes, sequences, q)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    forced = forced_backend(backend)
+    key = ("varlen", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, sequences,
+           longest_q, longest_k, mask, softcap > 0, sinks is not None, alibi_slopes is not None, bool(return_lse),
+           needs_grad, deterministic, forced)
+
+    def problem() -> Problem:
+        dense = problem_from_tensors(q4, k4, v4, layout="bshd", mask=mask, return_lse=bool(return_lse),
+                                     needs_grad=needs_grad, softcap=softcap > 0, sinks=sinks is not None,
+                                     alibi=alibi_slopes is not None, deterministic=deterministic)
+        return Problem(batch=sequences, heads_q=dense.heads_q, heads_kv=dense.heads_kv, seqlen_q=longest_q,
+                       seqlen_k=longest_k, head_dim=dense.head_dim, head_dim_v=dense.head_dim_v, dtype=dense.dtype,
+                       device=dense.device, mask=mask, needs_grad=needs_grad, return_lse=bool(return_lse),
+                       softcap=softcap > 0, sinks=sinks is not None, alibi=alibi_slopes is not None,
+                       deterministic=deterministic, varlen=True)
+
+    decision = decide_keyed(key, problem, *forced)
+    record(decision)
+    packed = Varlen(cu_seqlens_q, cu_seqlens_k, longest_q, longest_k)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q4, k4, v4))  # (1, heads, total, dim) views, the Call's order
+    call = Call(qh, kh, vh, check_scale(scale, q.shape[-1]), mask, softcap=softcap, sinks=sinks,
+                alibi_slopes=alibi_slopes, varlen=packed)
+    fwd = get(decision.forward.backend)
+    if fwd.autograd_native or not needs_grad:
+        out, lse = fwd.forward(decision.forward.variant, call)
     else:
-        out, lse = torch.cat(outs, 0), torch.cat(lses, 1)
-    return (out, lse) if return_lse else out
+        out, lse = _Attention.apply(qh, kh, vh, None, sinks, decision, call)
+    out = out[0].transpose(0, 1)  # (total_q, heads, dim_v)
+    if not return_lse:
+        return out
+    return out, lse[0].to(lse_dtype(q))
 
 
 def _offsets(name: str, cu: torch.Tensor, total: int, device) -> list[int]:
@@ -83,7 +112,24 @@ def _offsets(name: str, cu: torch.Tensor, total: int, device) -> list[int]:
     return bounds
 
 
-def _check_max(name: str, value, bounds: list[int]) -> None:
+def _check_max(name: str, value, bounds: list[int]) -> int:
+    """The longest sequence, after checking that ``value`` (flash-attn's max_seqlen) is an int that covers it."""
     longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
     if isinstance(value, bool) or not isinstance(value, int) or value < longest:
         raise InvalidInputError(f"{name} must be an int at least the longest sequence ({longest}), got {value!r}")
+    return longest
+
+
+def _slopes(slopes, sequences: int, q: torch.Tensor) -> torch.Tensor:
+    """``alibi_slopes`` (heads_q,) or (batch, heads_q) as the (batch, heads_q) fp32 rows the kernels read, one per
+    sequence (fp64 for fp64 inputs)."""
+    heads = q.shape[1]
+    if not isinstance(slopes, torch.Tensor) or not slopes.is_floating_point() or \
+            tuple(slopes.shape) not in ((heads,), (sequences, heads)):
+        got = tuple(slopes.shape) if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+        raise InvalidInputError(f"alibi_slopes must be a float tensor of shape (heads_q,) = ({heads},) or (batch, "
+                                f"heads_q) = ({sequences}, {heads}), got {got}")
+    if slopes.device != q.device:
+        raise InvalidInputError(f"q is on {q.device} but alibi_slopes is on {slopes.device}; put them on one device")
+    slopes = slopes.detach().to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    return (slopes.expand(sequences, heads) if slopes.dim() == 1 else slopes).contiguous()

@@ -23,13 +23,25 @@ class KVCache(NamedTuple):
     num_splits: int = 0
 
 
+class Varlen(NamedTuple):
+    """A packed batch (attention_varlen): sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (the
+    packed dim) against rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v; int32 (batch + 1,) offsets on the
+    tensors' device, validated; ``max_seqlen_*`` host ints at least the longest sequence."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
 class Call(NamedTuple):
     """q, k, v (batch, heads, seqlen, head_dim) with any strides; ``scale`` the softmax scale (a float);
     ``mask`` the Problem's Mask; ``descale`` (3, batch, heads_kv) fp32 for FP8 inputs; ``attn_mask`` an
     explicit mask tensor (``attnforge.sdpa``, ``mask.tensor``); ``softcap`` the score cap (0: none; scores become
     softcap * tanh(scores / softcap) after scaling); ``sinks`` (heads_q,) fp32 logits that count in each row's
     softmax denominator and carry no value, or None; ``cache`` a KVCache when k and v are cache views
-    ((batch or page, heads_kv, positions, head_dim)). A NamedTuple: made on every call, cheaply."""
+    ((batch or page, heads_kv, positions, head_dim)); ``varlen`` a Varlen when q, k, v are (1, heads, total, head_dim)
+    views of a packed batch. A NamedTuple: made on every call, cheaply."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -43,6 +55,7 @@ class Call(NamedTuple):
     sinks: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None  # (batch, heads_q) fp32, heads contiguous (problem.alibi_slopes_of)
     cache: KVCache | None = None
+    varlen: Varlen | None = None
 
     @property
     def causal(self) -> bool:

@@ -69,6 +69,9 @@ class Problem:
     # sequence) or "paged" (pages a block table names); seqlen_k is then the longest sequence's key count (the
     # cache's capacity when the lengths are not read on the host: check_inputs=False)
     kv_cache: str = ""
+    # attention_varlen's packed batch (FlashAttention's varlen layout): batch counts the sequences and seqlen_q,
+    # seqlen_k are the longest's (max_seqlen_q, max_seqlen_k)
+    varlen: bool = False
 
     def __post_init__(self):
         for field in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v"):
@@ -87,6 +90,9 @@ class Problem:
             raise InvalidInputError(f"mask must be a Mask, got {self.mask!r}")
         if self.kv_cache not in KV_CACHES:
             raise InvalidInputError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
+        if self.varlen and self.kv_cache:
+            raise InvalidInputError("a packed (varlen) batch and a KV cache are separate calls: attention_varlen or "
+                                    "attention_with_kvcache")
 
     @property
     def causal(self) -> bool:
@@ -112,7 +118,8 @@ class Problem:
         dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), *((f, True) for f in self.score_features),
                                  ("dropout", self.dropout), ("grad", self.needs_grad), ("deterministic", self.deterministic),
-                                 ("lse", self.return_lse), (f"{self.kv_cache} kv cache", bool(self.kv_cache))) if on]
+                                 ("lse", self.return_lse), (f"{self.kv_cache} kv cache", bool(self.kv_cache)),
+                                 ("varlen", self.varlen)) if on]
         return (f"{self.dtype} b={self.batch} h={heads} nq={self.seqlen_q} nk={self.seqlen_k} {dims}"
                 + (" " + ",".join(flags) if flags else "") + f" on {self.device.arch} ({self.device.name})")
 

@@ -29,7 +29,7 @@ import torch
 
 from .._version import __version__
 from ..runtime.cache import default_cache_dir, write_atomic
-from .call import Call, KVCache
+from .call import Call, KVCache, Varlen
 from .problem import DTYPES, Problem
 
 logger = logging.getLogger("attnforge")
@@ -191,6 +191,16 @@ def _tiny_cache(problem: Problem):
     return KVCache(seqlens, None, table, SEQLEN_K)
 
 
+def _tiny_varlen(problem: Problem):
+    """For a packed-batch problem, the tiny problem as a packed batch of its one sequence (its answer is the
+    dense one)."""
+    if not problem.varlen:
+        return None
+    device = problem.device.torch_device
+    return Varlen(torch.tensor([0, SEQLEN_Q], dtype=torch.int32, device=device),
+                  torch.tensor([0, SEQLEN_K], dtype=torch.int32, device=device), SEQLEN_Q, SEQLEN_K)
+
+
 def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
     """The tiny problem run by ``variant``, on the device, against fp64 math on the same (rounded) inputs.
     Raises what the variant raises."""
@@ -199,7 +209,8 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
 
     dtype = DTYPES[problem.dtype]
     q, k, v, _, scale, features = _tiny_inputs(problem)
-    out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask, cache=_tiny_cache(problem), **features))
+    out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask, cache=_tiny_cache(problem),
+                                           varlen=_tiny_varlen(problem), **features))
     ref, _ = math_attention(q.double(), k.double(), v.double(), mask=problem.mask, scale=scale,
                             **{n: x.double() if isinstance(x, torch.Tensor) else x for n, x in features.items()})
     if not torch.isfinite(out).all():
@@ -233,8 +244,8 @@ def _run_backward(backend, variant, problem: Problem) -> tuple[str, ...]:
     fp64 = dict(mask=problem.mask, scale=scale, dout=dout, **features)
     ref_out, ref_lse, ref_grads = oracle(q, k, v, **fp64)
     _, peer_grads = peer_error(q, k, v, **fp64)
-    grads = backend.backward(variant, Call(q, k, v, scale, problem.mask, **features), ref_out.to(q.dtype),
-                             ref_lse.float(), dout)
+    call = Call(q, k, v, scale, problem.mask, varlen=_tiny_varlen(problem), **features)
+    grads = backend.backward(variant, call, ref_out.to(q.dtype), ref_lse.float(), dout)
     for name, x, ref, peer in zip(("dq", "dk", "dv"), grads, ref_grads, peer_grads):
         if not torch.isfinite(x).all():
             return (f"self-check failed: NaN or inf in the backward's {name} on a tiny problem",)

@@ -34,6 +34,7 @@ class Support:
     deterministic_backward: str = ""
     empty: bool = True  # zero-sized batch, heads or sequence
     kv_cache: frozenset[str] = frozenset()  # the KV caches it reads in place ("contiguous", "paged")
+    varlen: bool = False  # packed variable-length batches (cu_seqlens) in one call
 
     def reasons(self, p: Problem) -> list[str]:
         """One sentence per unmet need of ``p``; empty means supported (forward)."""
@@ -74,6 +75,8 @@ class Support:
         if p.kv_cache and p.kv_cache not in self.kv_cache:
             out.append(f"a {p.kv_cache} KV cache is not supported (it has no kernel that reads cache_seqlens"
                        f"{' and a block_table' if p.kv_cache == 'paged' else ''})")
+        if p.varlen and not self.varlen:
+            out.append("a packed variable-length batch (cu_seqlens) is not supported (it has no varlen kernel)")
         if p.empty and not self.empty:
             out.append("empty problem (a zero-sized batch, heads or sequence) is not supported")
         return out

@@ -79,3 +79,110 @@ def test_bad_inputs_are_named(change, match, gen):
     with pytest.raises(InvalidInputError, match=match):
         attnforge.attention_varlen(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"], args["max_q"],
                                    args["max_k"])
+
+
+def check_per_sequence(q, k, v, cu_q, cu_k, out, lse, grads, dout, mask, scale, **features):
+    """out, the LSE and (dq, dk, dv[, dsinks]) against fp64 math on each sequence alone."""
+    slopes, sinks = features.get("alibi_slopes"), features.get("sinks")
+    ulps = 4 * math.sqrt(113)
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float64)
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        rows, keys = slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])
+        if rows.stop == rows.start:
+            continue
+        one = dict(features, alibi_slopes=None if slopes is None else slopes[b:b + 1])
+        bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (q[rows], k[keys], v[keys], dout[rows])]
+        if keys.stop == keys.start:  # no key: 0, and the LSE is -inf or the sink's
+            assert (out[rows] == 0).all() and (grads[0][rows] == 0).all()
+            want = torch.full_like(lse[:, rows], float("-inf")) if sinks is None else sinks[:, None].expand_as(lse[:, rows])
+            assert torch.equal(lse[:, rows], want.detach().to(lse.dtype))
+            continue  # (its sink's gradient: share 1 times delta 0)
+        ref, ref_lse, ref_grads = oracle(*bhsd[:3], mask=mask, scale=scale, dout=bhsd[3], **one)
+        peer, peer_grads = peer_error(*bhsd[:3], mask=mask, scale=scale, dout=bhsd[3], **one)
+        assert_close("out", out[rows].transpose(0, 1).unsqueeze(0), ref, peer, ulps=ulps)
+        assert_close("lse", lse[:, rows].unsqueeze(0), ref_lse, ref_lse.float(), ulps=ulps)
+        assert_grads_close([grads[i][s].transpose(0, 1).unsqueeze(0) for i, s in ((0, rows), (1, keys), (2, keys))],
+                           ref_grads[:3], peer_grads[:3], *bhsd, mask, scale, ulps)
+        if sinks is not None:
+            dsinks += ref_grads[3]
+    if sinks is not None:
+        assert_close("dsinks", grads[3], dsinks, dsinks.float(), ulps=ulps)
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+@pytest.mark.parametrize("features", ["softcap", "sinks", "alibi", "softcap+sinks+alibi"])
+def test_score_features_match_each_sequence_alone(backend, features, gen):
+    """softcap, sinks (differentiable) and ALiBi (a row of slopes per sequence) on a packed batch, with causal and
+    GQA; every backend that serves them is checked against fp64 math per sequence."""
+    q, k, v, cu_q, cu_k = packed(gen, LENGTHS_Q, LENGTHS_K, dtype=torch.float64)
+    kw = {}
+    if "softcap" in features:
+        kw["softcap"] = 1.5
+    if "sinks" in features:
+        kw["sinks"] = torch.randn(4, generator=gen, dtype=torch.float64).requires_grad_()
+    if "alibi" in features:
+        kw["alibi_slopes"] = torch.rand(len(LENGTHS_Q), 4, generator=gen, dtype=torch.float64)
+    out, lse = attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, causal=True, scale=0.3, return_lse=True,
+                                          backend=backend, **kw)
+    assert attnforge.last_decision().problem.varlen
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    wrt = (q, k, v) + ((kw["sinks"],) if "sinks" in kw else ())
+    grads = torch.autograd.grad(out, wrt, dout)
+    check_per_sequence(q, k, v, cu_q, cu_k, out, lse, grads, dout, _causal_mask(True), 0.3, **kw)
+
+
+def test_per_head_alibi_slopes_are_every_sequence_s(gen):
+    q, k, v, cu_q, cu_k = packed(gen, LENGTHS_Q, LENGTHS_K)
+    slopes = torch.rand(4, generator=gen)
+    one = attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, alibi_slopes=slopes)
+    rows = attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, alibi_slopes=slopes.expand(5, 4))
+    assert torch.equal(one, rows)
+    with pytest.raises(InvalidInputError, match=r"alibi_slopes must be a float tensor of shape \(heads_q,\) = \(4,\) "
+                                                r"or \(batch, heads_q\) = \(5, 4\), got \(4, 4\)"):
+        attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, alibi_slopes=slopes.expand(4, 4))
+
+
+@pytest.mark.parametrize("device,forward", [("H100", "triton_fa2"), ("A100", "triton_fa2"), ("MI300X", "triton_rocm"),
+                                            ("cpu", "sdpa")])
+def test_a_packed_batch_is_one_decision(device, forward):
+    """One Decision for the whole packed batch: the Triton backends' VARLEN kernels where they serve (one launch,
+    forward and backward), the CuTe kernels passed over with the reason, sdpa one sequence at a time on the CPU."""
+    d = attnforge.explain(device=device, dtype="bf16", head_dim=128, seqlen_q=1000, batch=8, causal=True,
+                          needs_grad=True, varlen=True)
+    assert d.ok and d.problem.varlen and "varlen" in d.problem.describe()
+    assert d.forward.backend == forward
+    if forward.startswith("triton"):
+        assert d.forward.variant.varlen and d.backward.variant.varlen and d.backward.backend == forward
+        assert "+varlen" in d.forward.variant.describe() and d.forward.variant.tile.loads == "pointer"
+    if device == "H100":
+        (why,) = d.forward.reasons_of("cute_sm90")
+        assert why == "a packed variable-length batch (cu_seqlens) is not supported (it has no varlen kernel)"
+    assert all(c.evidence in ("", "unmeasured") for c in d.forward.candidates)  # cost tables time no packed batch
+
+
+def test_a_forced_backend_without_a_varlen_kernel_says_why():
+    d = attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=1000, batch=8, varlen=True,
+                          backend="cute_sm90")
+    assert not d.ok and "packed variable-length batch" in str(d)
+    q, k, v, cu_q, cu_k = packed(torch.Generator().manual_seed(0), LENGTHS_Q, LENGTHS_K)
+    with pytest.raises(attnforge.BackendUnavailableError, match="packed variable-length batch"):
+        attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, backend="cute_sm90")
+
+
+def test_the_lse_is_differentiable(gen):
+    """return_lse's (heads, total_q) LSE carries a gradient into q and k (a context-parallel merge needs it)."""
+    q, k, v, cu_q, cu_k = packed(gen, LENGTHS_Q, LENGTHS_K, dtype=torch.float64)
+    _, lse = attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, causal=True, return_lse=True)
+    seen = lse.isfinite()
+    dq, dk = torch.autograd.grad(lse[seen].sum(), (q, k))
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    b = 3  # sequence 3: 40 queries, 40 keys
+    rows, keys = slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])
+    qs, ks = (t[s].detach().transpose(0, 1).unsqueeze(0).requires_grad_() for t, s in ((q, rows), (k, keys)))
+    vs = v[keys].detach().transpose(0, 1).unsqueeze(0)
+    from attnforge.backends.reference import math_attention
+
+    _, ref_lse = math_attention(qs, ks, vs, causal=True)
+    ref_dq, ref_dk = torch.autograd.grad(ref_lse.sum(), (qs, ks))
+    assert torch.allclose(dq[rows], ref_dq[0].transpose(0, 1)) and torch.allclose(dk[keys], ref_dk[0].transpose(0, 1))

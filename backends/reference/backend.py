@@ -26,6 +26,7 @@ class ReferenceBackend(Backend):
         softcap=True, sinks=True, alibi=True,
         dropout=False,  # the dropout mask would have to be regenerated in backward; sdpa serves dropout
         kv_cache=frozenset({"contiguous", "paged"}),  # each sequence's keys gathered, then computed alone (slow)
+        varlen=True,  # each sequence of a packed batch computed alone, on views (slow)
     )
 
     def _variant(self, problem: Problem) -> TorchVariant:
@@ -43,11 +44,15 @@ class ReferenceBackend(Backend):
     def forward(self, variant, call):
         if call.cache is not None:
             return self._forward_kvcache(call)
+        if call.varlen is not None:
+            return self._forward_varlen(call)
         with _no_autocast(call.q):  # its fp32 (fp64) accumulation is the point: autocast must not lower it
             return kernels.forward(call.q, call.k, call.v, mask=call.mask, scale=call.scale, softcap=call.softcap,
                                    sinks=call.sinks, alibi_slopes=call.alibi_slopes)
 
     def backward(self, variant, call, out, lse, dout, dlse=None):
+        if call.varlen is not None:
+            return self._backward_varlen(call, out, lse, dout, dlse)
         with _no_autocast(call.q):
             return kernels.backward(call.q, call.k, call.v, out, lse, dout, mask=call.mask, scale=call.scale, dlse=dlse,
                                     softcap=call.softcap, alibi_slopes=call.alibi_slopes)
@@ -68,6 +73,48 @@ class ReferenceBackend(Backend):
                 outs.append(out[0])
                 lses.append(lse[0])
         return torch.stack(outs), torch.stack(lses)
+
+
+    def _forward_varlen(self, call):
+        """Each sequence of a packed batch ((1, heads, total, dim) views) on its own: the dense forward on views of
+        its rows, written into the packed output and LSE. Reads the offsets on the host."""
+        q, v = call.q, call.v
+        out = q.new_zeros((1, q.shape[2], q.shape[1], v.shape[3])).transpose(1, 2)  # (total_q, heads, dv) memory
+        lse = torch.empty(q.shape[:3], dtype=kernels.accumulation_dtype(q.dtype), device=q.device)
+        with _no_autocast(q):
+            for b, rows, keys in _sequences(call.varlen):
+                o, s = kernels.forward(q[:, :, rows], call.k[:, :, keys], v[:, :, keys], mask=call.mask,
+                                       scale=call.scale, softcap=call.softcap, sinks=call.sinks,
+                                       alibi_slopes=_slopes_of(call.alibi_slopes, b))
+                out[:, :, rows], lse[:, :, rows] = o, s
+        return out, lse
+
+    def _backward_varlen(self, call, out, lse, dout, dlse):
+        """The dense backward per sequence, as _forward_varlen; keys no query row of theirs sees get 0."""
+        q, k, v = call.q, call.k, call.v
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        with _no_autocast(q):
+            for b, rows, keys in _sequences(call.varlen):
+                grads = kernels.backward(q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], lse[:, :, rows],
+                                         dout[:, :, rows], mask=call.mask, scale=call.scale,
+                                         dlse=None if dlse is None else dlse[:, :, rows], softcap=call.softcap,
+                                         alibi_slopes=_slopes_of(call.alibi_slopes, b))
+                for full, part, where in zip((dq, dk, dv), grads, (rows, keys, keys)):
+                    full[:, :, where] = part
+        return dq, dk, dv
+
+
+def _sequences(packed):
+    """(sequence index, its query rows, its key rows) of a Varlen's sequences that have query rows."""
+    bounds_q, bounds_k = packed.cu_seqlens_q.tolist(), packed.cu_seqlens_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        if bounds_q[b + 1] > bounds_q[b]:
+            yield b, slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])
+
+
+def _slopes_of(slopes, b: int):
+    """Sequence b's row of (sequences, heads_q) ALiBi slopes, or None."""
+    return None if slopes is None else slopes[b:b + 1]
 
 
 def _positions(cache: torch.Tensor, b: int, start: int, end: int, pages) -> torch.Tensor:

@@ -45,6 +45,7 @@ class SdpaBackend(Backend):
         empty=False,  # torch's fused kernels disagree on zero-sized inputs; reference handles them
         top_left=True, mask_tensor=True,  # attnforge.sdpa() passes SDPA's own masks through
         window=True,  # as a materialised (seqlen_q, seqlen_k) mask: see _windowed
+        varlen=True,  # a packed batch one sequence at a time (a launch or more each): see _packed
         nondeterministic_backward=("torch's SDPA kernel computes it, in a summation order attnforge does not control; "
                                    "torch.use_deterministic_algorithms governs it"),
     )
@@ -82,6 +83,8 @@ class SdpaBackend(Backend):
             return f"kernel chosen by torch at run time ({type(exc).__name__} asking torch)"
 
     def forward(self, variant, call):
+        if call.varlen is not None:
+            return self._packed(variant, call), None
         q, scale = nonnegative_scale(call.q, call.scale)
         k, v, mask = call.k, call.v, call.mask
         causal = mask.causal
@@ -100,6 +103,21 @@ class SdpaBackend(Backend):
         blind = seqlen_q - seqlen_k  # rows that see no key
         out = F.scaled_dot_product_attention(q[:, :, blind:], k, v, is_causal=True, **kwargs)
         return F.pad(out, (0, 0, blind, 0)), None
+
+
+    def _packed(self, variant, call):
+        """A packed batch ((1, heads, total, dim) views): each sequence through SDPA on views of its rows, written
+        into the packed output (rows of a sequence with no key stay 0). Reads the offsets on the host; torch
+        autograd records the copies, so gradients reach every sequence."""
+        q, v = call.q, call.v
+        out = q.new_zeros((1, q.shape[2], q.shape[1], v.shape[3])).transpose(1, 2)  # (total_q, heads, dv) memory
+        bounds_q, bounds_k = call.varlen.cu_seqlens_q.tolist(), call.varlen.cu_seqlens_k.tolist()
+        for b in range(len(bounds_q) - 1):
+            rows, keys = slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])
+            if rows.stop > rows.start and keys.stop > keys.start:
+                part = call._replace(q=q[:, :, rows], k=call.k[:, :, keys], v=v[:, :, keys], varlen=None)
+                out[:, :, rows] = self.forward(variant, part)[0]
+        return out
 
 
 def _mask_tensor(q, k, v, attn_mask, kwargs):

@@ -8,6 +8,8 @@ from ...runtime.triton_aot import KernelBuild, kernel_function
 # Pointer arguments that hold fp32 or int32 whatever the inputs' dtype; every other pointer holds the data dtype.
 FP32_POINTERS = {"LSE", "DELTA", "SINKS", "SLOPES", "O_PART", "LSE_PART"}
 INT32_POINTERS = {"SEQLENS", "LEFTPAD", "BLOCK_TABLE"}
+# A packed batch's row offsets: int32 in VARLEN kernels; the others get the (fp32) LSE as an unused stand-in.
+OFFSET_POINTERS = {"CU_Q", "CU_K"}
 # Upper-case parameters that are sizes, not pointers.
 SIZES = ("B", "H", "GROUP", "N_Q", "N_K", "H_KV", "PAGE_SIZE", "KEYS_PER_SPLIT", "NUM_SPLITS", "CAPACITY", "NUM_PAGES")
 TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16"}
@@ -19,16 +21,18 @@ KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dkdv_kernel", "dq_kernel", "preproce
 KV_SPLIT_POWERS = (2, 4, 8, 16, 32, 64, 128)
 
 
-def signature(fn, dtype: str, fp32_out: bool = False) -> tuple[tuple, tuple]:
+def signature(fn, dtype: str, fp32_out: bool = False, varlen: bool = False) -> tuple[tuple, tuple]:
     """(signature, aligned pointers) of a generated kernel as the JIT sees it for 16-byte-aligned tensors:
     upper-case parameters are pointers (fp32 for LSE and DELTA; O too with ``fp32_out``; int32 for lengths and
-    block tables), ``*scale*`` are fp32, the rest i32."""
+    block tables, and for a packed batch's offsets with ``varlen``), ``*scale*`` are fp32, the rest i32."""
     sig, aligned = [], []
     for p in fn.params:
         if p.is_constexpr:
             sig.append((p.name, "constexpr"))
         elif p.name.isupper() and p.name not in SIZES:
+            offsets = "i32" if varlen else "fp32"
             kind = ("fp32" if p.name in FP32_POINTERS or (fp32_out and p.name == "O") else
+                    offsets if p.name in OFFSET_POINTERS else
                     "i32" if p.name in INT32_POINTERS else TRITON_DTYPES[dtype])
             sig.append((p.name, f"*{kind}"))
             aligned.append(p.name)
@@ -48,12 +52,12 @@ def builds(variant, path) -> list[KernelBuild]:
     pad = 1 << (variant.head_dim - 1).bit_length()
     for kernel in KERNELS[variant.family]:
         fn = kernel_function(str(path), kernel)
-        sig, aligned = signature(fn, variant.dtype)
+        sig, aligned = signature(fn, variant.dtype, varlen=variant.varlen)
         names = dict(sig)
-        # the feature flags as launch() passes them, in its order, where the kernel has them (preprocess has none);
+        # the feature flags as launch() passes them, in its order, where the kernel has them (preprocess: VARLEN);
         # a LOCAL kernel takes its window as arguments, with CAUSAL off (folded into it)
         flags = {"CAUSAL": variant.causal and not variant.local, "LOCAL": variant.local, "SOFTCAP": variant.softcap,
-                 "HAS_SINKS": variant.sinks, "ALIBI": variant.alibi}
+                 "HAS_SINKS": variant.sinks, "ALIBI": variant.alibi, "VARLEN": variant.varlen}
         flags = {name: on for name, on in flags.items() if name in names}
         causal = flags.get("CAUSAL", False)
         constexprs = (("HEAD_DIM", pad), ("D", variant.head_dim)) + tuple(flags.items())

@@ -44,6 +44,14 @@ def _window(variant, call) -> tuple[int, int] | None:
     return call.mask.window_bounds if variant.local else None
 
 
+def _varlen(variant, call) -> tuple | None:
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for a VARLEN variant's kernels; None otherwise."""
+    if not variant.varlen:
+        return None
+    packed = call.varlen
+    return packed.cu_seqlens_q, packed.cu_seqlens_k, packed.max_seqlen_q, packed.max_seqlen_k
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -69,17 +77,18 @@ class TritonVariant(Variant):
     sinks: bool = False  # a sink logit per query head (the forward's HAS_SINKS; the logits are the call's)
     alibi: bool = False  # ALiBi (the kernels' ALIBI; the slopes are the call's)
     paged: bool = False  # a KV-cache variant for paged caches (the kernel's PAGED)
+    varlen: bool = False  # a packed batch, FlashAttention's varlen layout (the kernels' VARLEN)
 
     @property
     def name(self) -> str:
         return (f"{self.tile.module}.{self.arch}.{self.dtype}.d{self.head_dim}."
                 f"{'causal' if self.causal else 'full'}{'.local' if self.local else ''}"
                 f"{'.softcap' if self.softcap else ''}{'.sinks' if self.sinks else ''}"
-                f"{'.alibi' if self.alibi else ''}{'.paged' if self.paged else ''}")
+                f"{'.alibi' if self.alibi else ''}{'.paged' if self.paged else ''}{'.varlen' if self.varlen else ''}")
 
     def describe(self) -> str:
         features = [f for f, on in (("window", self.local), ("softcap", self.softcap), ("sinks", self.sinks),
-                                    ("alibi", self.alibi)) if on]
+                                    ("alibi", self.alibi), ("varlen", self.varlen)) if on]
         return (self.tile.describe() + (f" +{'+'.join(features)}" if features else "") + (" (tuned)" if self.tuned else "")
                 + (" (interpreter)" if self.interpreted else ""))
 
@@ -114,6 +123,7 @@ class TritonFA2Backend(Backend):
         sinks=True,  # the forward's HAS_SINKS; the backward recomputes P from the LSE, which counts the sink
         alibi=True,  # ALIBI kernels
         kv_cache=frozenset({"contiguous", "paged"}),  # templates/triton_kvcache.py.jinja: split-KV, pack-GQA
+        varlen=True,  # the VARLEN kernels: one launch for a packed batch, a sequence's rows found by its offsets
     )
     # the multiprocessors the split heuristic fills when the interpreter runs the kernels (few: tests split)
     interpreter_multiprocessors = 4
@@ -131,13 +141,17 @@ class TritonFA2Backend(Backend):
 
     def _variant(self, family: str, arch: str, head_dim: int, dtype: str, causal: bool,
                  interpreted: bool = False, local: bool = False, softcap: bool = False, sinks: bool = False,
-                 alibi: bool = False) -> Planned:
+                 alibi: bool = False, varlen: bool = False) -> Planned:
         tile, reasons = variants.pick(self._table(family), arch, head_dim, backend=self.name)
         if tile is None:
             return None, reasons
         tuned = self.variants_table is variants and tile == variants.tuned_tile(family, arch, head_dim)
+        if varlen and getattr(tile, "loads", "pointer") != "pointer":
+            # a sequence's rows start anywhere in the packed tensor: its kernel masks pointer loads per sequence
+            # (the same tile, which passes the one check with either load style on these archs)
+            tile = dataclasses.replace(tile, loads="pointer")
         return TritonVariant(family, tile, self.templates[family], arch, head_dim, dtype, causal, tuned, interpreted,
-                             local, softcap, sinks, alibi), []
+                             local, softcap, sinks, alibi, varlen=varlen), []
 
     def _plan_family(self, problem: Problem, family: str) -> Planned:
         reasons = []
@@ -148,7 +162,8 @@ class TritonFA2Backend(Backend):
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         arch = self.interpreter_arch if cpu else problem.device.arch
         variant, why = self._variant(family, arch, problem.head_dim, problem.dtype, problem.causal, cpu,
-                                     problem.mask.windowed, problem.softcap, problem.sinks, problem.alibi)
+                                     problem.mask.windowed, problem.softcap, problem.sinks, problem.alibi,
+                                     problem.varlen)
         reasons += why
         return (None, reasons) if reasons else (variant, [])
 
@@ -195,7 +210,7 @@ class TritonFA2Backend(Backend):
                     for flag, kinds, family in itertools.product(causal, (frozenset(), *attention_sets), ("fwd", "bwd")):
                         variant, why = self._variant(family, arch, head_dim, dtype, flag, local="window" in kinds,
                                                      softcap="softcap" in kinds, sinks="sinks" in kinds,
-                                                     alibi="alibi" in kinds)
+                                                     alibi="alibi" in kinds, varlen="varlen" in kinds)
                         if variant is None:
                             if strict:
                                 raise ValueError(f"{self.name} {arch}: " + "; ".join(why))  # the reason already says "head_dim N"
@@ -254,7 +269,8 @@ class TritonFA2Backend(Backend):
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         sinks = None if call.sinks is None else call.sinks.to(torch.float32).contiguous()
         variant.module.launch(q, k, v, out, lse, causal=variant.causal, scale=call.scale, window=_window(variant, call),
-                              softcap=call.softcap, sinks=sinks, alibi_slopes=call.alibi_slopes)
+                              softcap=call.softcap, sinks=sinks, alibi_slopes=call.alibi_slopes,
+                              varlen=_varlen(variant, call))
         return out, lse
 
     def backward(self, variant: TritonVariant, call, out, lse, dout, dlse=None):
@@ -262,5 +278,6 @@ class TritonFA2Backend(Backend):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dlse = None if dlse is None else dlse.to(torch.float32)
         variant.module.launch(q, k, v, out, lse, dout, dq, dk, dv, causal=variant.causal, scale=call.scale, dlse=dlse,
-                              window=_window(variant, call), softcap=call.softcap, alibi_slopes=call.alibi_slopes)
+                              window=_window(variant, call), softcap=call.softcap, alibi_slopes=call.alibi_slopes,
+                              varlen=_varlen(variant, call))
         return dq, dk, dv

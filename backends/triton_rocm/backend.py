@@ -26,4 +26,5 @@ class TritonRocmBackend(TritonFA2Backend):
         sinks=True,  # and its HAS_SINKS forward
         alibi=True,  # and its ALIBI kernels
         kv_cache=frozenset({"contiguous", "paged"}),  # the shared KV-cache template, with CDNA tiles
+        varlen=True,  # the VARLEN kernels: one launch for a packed batch, a sequence's rows found by its offsets
     )

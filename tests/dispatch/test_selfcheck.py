@@ -288,3 +288,23 @@ def test_a_wrong_backward_is_caught_and_forcing_it_says_why(fresh, monkeypatch, 
     assert reason.startswith("self-check failed: the backward's dq is off by"), reason
     with pytest.raises(attnforge.BackendUnavailableError, match="no backend can run the backward"):
         attnforge.attention(q, k, v, causal=True, backend="reference")
+
+
+def test_a_packed_batch_variant_is_checked_on_its_own_path(fresh, monkeypatch, gen):
+    """A packed (varlen) batch runs a backend's packed path, which its dense check does not cover: its tiny problem
+    runs packed (one sequence), so a broken packed path is caught while the dense one stays in service."""
+    sdpa = type(registered()["sdpa"])
+    real = sdpa._packed
+    monkeypatch.setattr(sdpa, "_packed", lambda self, variant, call: real(self, variant, call) * 1.1)
+    lengths = [5, 0, 40]
+    q = torch.randn(sum(lengths), 4, 32, generator=gen)
+    k, v = (torch.randn(sum(lengths), 2, 32, generator=gen) for _ in range(2))
+    cu = torch.tensor([0, 5, 5, 45], dtype=torch.int32)
+    out = attnforge.attention_varlen(q, k, v, cu, cu, 40, 40, causal=True)
+    d = attnforge.last_decision()
+    assert d.forward.backend == "reference" and d.forward.reasons_of("sdpa")[0].startswith("self-check failed")
+    ref, _, _ = oracle(q[5:].transpose(0, 1)[None], k[5:].transpose(0, 1)[None], v[5:].transpose(0, 1)[None],
+                       causal=True)
+    assert rel_error(out[5:], ref[0].transpose(0, 1)) < 1e-5
+    attnforge.attention(q[None, :5].transpose(1, 2), k[None, :5].transpose(1, 2), v[None, :5].transpose(1, 2))
+    assert attnforge.last_decision().forward.backend == "sdpa"  # the dense path passed its own check

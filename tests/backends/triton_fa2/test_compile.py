@@ -119,16 +119,18 @@ def test_prebuilt_kernels_load_from_the_cache_without_compiling(tmp_path, monkey
     tile = variant.tile
     lookup = dict(kernel=variant.module.fwd_kernel, device=torch.device("cuda"), dtype_name="bf16",
                   constexprs=dict(HEAD_DIM=64, D=64, CAUSAL=True, LOCAL=False, SOFTCAP=False, HAS_SINKS=False,
-                                  ALIBI=False),
+                                  ALIBI=False, VARLEN=False),
                   num_warps=tile.num_warps,
                   num_stages=tile.num_stages)
     found = triton_launch.find_prebuilt(**lookup, cache_dir=tmp_path)
     assert found is not None and found.metadata.name == "fwd_kernel"
     assert triton_launch.find_prebuilt(**dict(lookup, constexprs=dict(HEAD_DIM=64, D=64, CAUSAL=False, LOCAL=False,
-                                                                      SOFTCAP=False, HAS_SINKS=False, ALIBI=False)),
+                                                                      SOFTCAP=False, HAS_SINKS=False, ALIBI=False,
+                                                                      VARLEN=False)),
                                        cache_dir=tmp_path) is None  # not built: the JIT serves it
     # a sliding window's LOCAL kernel (CAUSAL folded into its window) is not built ahead of time either
-    local_flags = dict(HEAD_DIM=64, D=64, CAUSAL=False, LOCAL=True, SOFTCAP=False, HAS_SINKS=False, ALIBI=False)
+    local_flags = dict(HEAD_DIM=64, D=64, CAUSAL=False, LOCAL=True, SOFTCAP=False, HAS_SINKS=False, ALIBI=False,
+                       VARLEN=False)
     assert triton_launch.find_prebuilt(**dict(lookup, constexprs=local_flags), cache_dir=tmp_path) is None
     # unless `attnforge build --features window` asks: then a windowed call's kernel (its variant's module) is found
     (local,) = [v for v in registered()["triton_fa2"].variants(["sm90"], dtypes=("bf16",), head_dims=(64,),
@@ -139,6 +141,27 @@ def test_prebuilt_kernels_load_from_the_cache_without_compiling(tmp_path, monkey
     found = triton_launch.find_prebuilt(**dict(lookup, kernel=local.module.fwd_kernel, constexprs=local_flags),
                                         cache_dir=tmp_path)
     assert found is not None and found.metadata.name == "fwd_kernel"
+
+
+@pytest.mark.parametrize("backend,arch", [("triton_fa2", "sm90"), ("triton_fa2", "sm80"), ("triton_rocm", "gfx942")])
+def test_varlen_kernels_compile_for_their_targets(backend, arch, cache):
+    """attention_varlen's VARLEN kernels (forward and backward, pointer loads: on sm90 the plain forward tile's
+    descriptor loads become pointer loads) compile for each target with no GPU, with the offsets typed int32."""
+    b = registered()[backend]
+    variants_ = b.variants([arch], dtypes=("bf16",), head_dims=(128,), causal=(True,),
+                           features=(frozenset({"varlen"}),))
+    variants_ = [v for v in variants_ if v.varlen]
+    assert {v.family for v in variants_} == {"fwd", "bwd"}
+    assert all(getattr(v.tile, "loads", "pointer") == "pointer" for v in variants_)
+    for variant in variants_:
+        builds = b.builds(variant)
+        assert {x.kernel for x in builds} == set({"fwd": ("fwd_kernel",), "bwd": ("dkdv_kernel", "dq_kernel",
+                                                                                "preprocess_kernel")}[variant.family])
+        for build in builds:
+            assert dict(build.constexprs)["VARLEN"] is True and ".varlen" in build.name()
+            assert {("CU_Q", "*i32"), ("CU_K", "*i32")} & set(build.signature), build.signature
+            meta, _ = triton_aot.build_cached(build, cache)
+            assert meta["shared_bytes"] <= variants.SMEM[arch], build.name()
 
 
 @pytest.mark.parametrize("backend,arch", [("triton_fa2", "sm90"), ("triton_fa2", "sm80"), ("triton_rocm", "gfx942")])
