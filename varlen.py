@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from .dispatch.call import Call, Varlen
-from .dispatch.problem import Problem, check_scale, check_sinks, check_softcap, check_deterministic, problem_from_tensors
+from .dispatch.problem import (Problem, check_deterministic, check_scale, check_sinks, check_softcap,
+                               problem_from_tensors)
 from .dispatch.registry import get
 from .dispatch.select import decide_keyed, forced_backend, record
 from .errors import InvalidInputError

@@ -95,7 +95,8 @@ def check_per_sequence(q, k, v, cu_q, cu_k, out, lse, grads, dout, mask, scale, 
         bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (q[rows], k[keys], v[keys], dout[rows])]
         if keys.stop == keys.start:  # no key: 0, and the LSE is -inf or the sink's
             assert (out[rows] == 0).all() and (grads[0][rows] == 0).all()
-            want = torch.full_like(lse[:, rows], float("-inf")) if sinks is None else sinks[:, None].expand_as(lse[:, rows])
+            want = (torch.full_like(lse[:, rows], float("-inf")) if sinks is None
+                    else sinks[:, None].expand_as(lse[:, rows]))
             assert torch.equal(lse[:, rows], want.detach().to(lse.dtype))
             continue  # (its sink's gradient: share 1 times delta 0)
         ref, ref_lse, ref_grads = oracle(*bhsd[:3], mask=mask, scale=scale, dout=bhsd[3], **one)
