@@ -12,9 +12,9 @@ And three things where SDPA's answer is wrong on some device:
 - A zero scale (or one that is 0 in fp32) with causal gives NaN rows: shared.inputs.nonnegative_scale
   folds it into q.
 - Where torch materialises the lower-right causal bias and adds it to the scores (the CPU, and the GPU
-  where no fused kernel takes the call), a NaN key that the bias hides from a row still makes that row
-  NaN (NaN + -inf). Only the last seqlen_q - 1 keys are hidden from any row: NaN keys among them are
-  zeroed and the rows that do see them set to NaN (_lower_right).
+  where no fused kernel takes the call), a NaN or infinite key or value that the bias hides from a row still
+  reaches that row (NaN + -inf, inf + -inf, 0 * NaN). Only the last seqlen_q - 1 keys are hidden from any
+  row: the rows a non-finite one among them is hidden from are computed again without it (_hidden_tail).
 - An attn_mask row that hides every key gives 0 on the CPU but not on the GPU: such rows are set to 0,
   attention()'s answer for a row that sees no key (_mask_tensor).
 """
@@ -157,9 +157,8 @@ def _windowed(q, k, v, mask, kwargs):
 def _lower_right(q, k, v, kwargs):
     """Causal with seqlen_q < seqlen_k through SDPA's lower-right bias. Where torch runs it in a fused kernel
     (masked by index, as its own _dispatch decides) that is all; where the mask is materialised and added to
-    the scores, a hidden NaN key would spread: the keys any row cannot see are the last seqlen_q - 1, so NaN
-    keys among them are zeroed and the rows that see one are set to NaN (O(seqlen_q) work besides one copy
-    of k)."""
+    the scores, a hidden non-finite key or value would reach the rows it is hidden from (NaN + -inf, inf + -inf,
+    0 * NaN): see _hidden_tail."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     if seqlen_q == 1:  # the one query sees every key
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
@@ -168,13 +167,36 @@ def _lower_right(q, k, v, kwargs):
 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(seqlen_q, seqlen_k), **kwargs)
     visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(seqlen_k - seqlen_q)
-    first = seqlen_k - seqlen_q + 1  # keys before it are seen by every row
-    tail = k[:, :, first:]
-    nan_key = tail.isnan().any(-1)  # (batch, heads_kv, seqlen_q - 1): tail key t is seen by rows i > t
-    k = torch.cat((k[:, :, :first], tail.masked_fill(nan_key[..., None], 0.0)), 2)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, **kwargs)
-    sees_nan = F.pad(nan_key, (1, 0)).cumsum(-1) > 0  # row i: any NaN among tail keys t < i
-    return out.masked_fill(sees_nan.repeat_interleave(q.shape[1] // k.shape[1], 1)[..., None], float("nan"))
+    return _hidden_tail(out, q, k, v, kwargs)
+
+
+def _hidden_tail(out, q, k, v, kwargs):
+    """``out`` of the materialised lower-right path, with the rows a hidden non-finite key or value reached made
+    exact. Only the last seqlen_q - 1 keys are hidden from any row, tail key t from exactly the rows before
+    r(t) = t - (seqlen_k - seqlen_q). With t1 < t2 < ... the tail keys that have a non-finite entry (in any batch
+    or head), rows [r(t_i), r(t_i+1)) see t1 ... t_i and no later one: computed again on the keys before t_i+1,
+    no key hidden from them is non-finite, so SDPA is exact there (rows [0, r(t1)) on the keys before t1); the rows
+    from r(t_last) on see every such key and keep ``out``. One host read of whether the tail is finite, on this
+    (mask-materialising) path only."""
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    if q.device.type == "meta":
+        return out
+    first = seqlen_k - seqlen_q + 1  # keys before it are seen by every row
+    finite = k[:, :, first:].isfinite().all(-1) & v[:, :, first:].isfinite().all(-1)  # (batch, heads_kv, tail)
+    bad = (~finite.flatten(0, 1).all(0)).nonzero().flatten()  # tail keys with a non-finite entry somewhere
+    if bad.numel() == 0:
+        return out
+    parts, start = [], 0
+    for t in (first + bad).tolist():
+        stop = t - (seqlen_k - seqlen_q)  # the first row that sees key t
+        if stop > start:
+            rows = torch.arange(start, stop, device=q.device)[:, None]
+            visible = torch.arange(t, device=q.device)[None, :] <= rows + (seqlen_k - seqlen_q)
+            parts.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :t], v[:, :, :t],
+                                                        attn_mask=visible, **kwargs))
+        start = stop
+    return torch.cat((*parts, out[:, :, start:]), 2)
 
 
 def _fused_lower_right(q, k, v, kwargs) -> bool:

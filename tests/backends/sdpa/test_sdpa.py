@@ -43,6 +43,35 @@ def test_a_nan_reaches_exactly_the_rows_that_see_it(shape, tensor, gen):
         assert_nan_rows("out", out, ref, peer, rows, ulps=16)
 
 
+# (heads_q, heads_kv, seqlen_q, seqlen_k): causal with seqlen_q < seqlen_k, where sdpa materialises the lower-right
+# mask (the CPU, and small problems on the GPU)
+LOWER_RIGHT = [(4, 2, 19, 150), (2, 2, 9, 10), (2, 1, 37, 40)]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("tensor", ["k", "v"])
+@pytest.mark.parametrize("shape", LOWER_RIGHT, ids=lambda s: "x".join(map(str, s)))
+def test_a_nonfinite_hidden_key_or_value_reaches_only_the_rows_that_see_it(shape, tensor, value, gen):
+    """A NaN or infinite key or value among the keys some rows cannot see reached those rows too through the
+    materialised lower-right mask (inf + -inf, 0 * NaN); now every row is what exact math gives (the reference
+    backend in fp64, which keeps non-finite values to the rows that see them), also with two bad keys."""
+    hq, hkv, nq, nk = shape
+    q, k, v = qkv(gen, hq, hkv, nq, nk)
+    first_hidden = nk - nq + 1  # keys from here on are hidden from some rows
+    for indices in ([first_hidden], [nk - 1], [first_hidden + (nq - 1) // 2, nk - 1]):
+        kn, vn = k.clone(), v.clone()
+        for index in indices:
+            (kn if tensor == "k" else vn)[0, 0, index, 3] = value
+        out = attention(q, kn, vn, causal=True, scale=0.3, backend="sdpa")
+        ref = attention(q.double(), kn.double(), vn.double(), causal=True, scale=0.3, backend="reference")
+        assert torch.equal(out.isnan(), ref.isnan()), f"NaN rows differ for keys {indices}"
+        assert torch.equal(out.isinf(), ref.isinf()) and torch.equal(out[out.isinf()], ref[ref.isinf()].float())
+        if tensor == "v" or value != value:  # (an infinite key's score is -inf in the rows whose q has the
+            assert (ref.isnan() | ref.isinf()).any()  # opposite sign: those stay finite, as exact math)
+        finite = ref.isfinite()
+        assert torch.allclose(out[finite].double(), ref[finite], atol=1e-5, rtol=1e-5)
+
+
 def test_a_nan_key_with_gradients(gen):
     """The NaN-key path is differentiable as before: finite gradients for what no NaN row depends on."""
     q, k, v = qkv(gen, 2, 2, 5, 12)
