@@ -169,3 +169,112 @@ def _double_backward(ctx, *_):
 # The backward op's own backward: a second-order gradient through a kernel backward is refused, with the
 # reason, instead of torch's "no autograd formula" (or a silently wrong one).
 attention_backward_op.register_autograd(_double_backward, setup_context=_backward_setup_context)
+
+
+# attention_varlen as custom ops: a packed batch (total, heads, dim) with cu_seqlens, read on the host when the
+# graph runs (the real op), never while tracing. The same rules as the dense ops above: the op decides as an eager
+# call would (varlen.decide), the backward runs that Decision's backward (or differentiates an autograd-native
+# forward again), and a second differentiation is refused.
+
+def _varlen_lse_shape(q: torch.Tensor, needs_grad: bool, return_lse: bool) -> tuple[int, int]:
+    """The op's LSE output: (heads, total_q) where the caller or the backward uses it, else (heads, 0)."""
+    return (q.shape[1], q.shape[0] if needs_grad or return_lse else 0)
+
+
+def _varlen_decide(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left,
+                   window_right, scale, softcap, sinks, alibi_slopes, needs_grad, return_lse, deterministic, backend):
+    from .varlen import decide
+
+    mask = _mask(None, causal, False, (window_left, window_right))
+    return decide(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, check_scale(scale, q.shape[-1]),
+                  check_softcap(softcap), sinks, alibi_slopes, return_lse, needs_grad, deterministic, backend)
+
+
+@torch.library.custom_op("attnforge::attention_varlen", mutates_args=())
+def attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                        window_left: int, window_right: int, scale: float, softcap: float,
+                        sinks: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor], needs_grad: bool,
+                        return_lse: bool, deterministic: bool,
+                        backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (total_q, heads_q, dim_v), LSE (heads_q, total_q), or (heads_q, 0) when neither ``return_lse`` nor
+    ``needs_grad``) of a packed batch, by the Decision an eager attention_varlen call would take."""
+    decision, call = _varlen_decide(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                    window_left, window_right, scale, softcap, sinks, alibi_slopes, needs_grad,
+                                    return_lse, deterministic, backend)
+    out, lse = registry.get(decision.forward.backend).forward(decision.forward.variant, call)
+    shape = _varlen_lse_shape(q, needs_grad, return_lse)
+    if not shape[-1]:
+        lse = q.new_empty(shape, dtype=lse_dtype(q))
+    elif lse is None:  # a backend without an LSE (sdpa) declines return_lse; its backward recomputes, using none
+        lse = q.new_full(shape, float("nan"), dtype=lse_dtype(q))
+    else:
+        lse = lse[0]
+    return out[0].transpose(0, 1).contiguous(), lse.to(lse_dtype(q)).contiguous()
+
+
+@attention_varlen_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale,
+      softcap, sinks, alibi_slopes, needs_grad, return_lse, deterministic, backend):
+    return (q.new_empty((q.shape[0], q.shape[1], v.shape[2])),
+            q.new_empty(_varlen_lse_shape(q, needs_grad, return_lse), dtype=lse_dtype(q)))
+
+
+@torch.library.custom_op("attnforge::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                                 max_seqlen_k: int, out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                                 causal: bool, window_left: int, window_right: int, scale: float, softcap: float,
+                                 sinks: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                                 return_lse: bool, deterministic: bool,
+                                 backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of a packed batch by the backward of the Decision the forward op took."""
+    decision, call = _varlen_decide(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                    window_left, window_right, scale, softcap, sinks, alibi_slopes, True, return_lse,
+                                    deterministic, backend)
+    choice = decision.backward
+    dout4 = dout.unsqueeze(0).transpose(1, 2)
+    if choice.variant is None and registry.get(choice.backend).autograd_native:
+        grads = _recomputed_gradients(registry.get(decision.forward.backend), decision.forward.variant, call, dout4)
+    else:
+        grads = registry.get(choice.backend).backward(choice.variant, call, out.unsqueeze(0).transpose(1, 2),
+                                                      lse.unsqueeze(0), dout4,
+                                                      None if dlse is None else dlse.unsqueeze(0))
+    return tuple(g[0].transpose(0, 1).contiguous() for g in grads)
+
+
+@attention_varlen_backward_op.register_fake
+def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, dlse, causal, window_left,
+      window_right, scale, softcap, sinks, alibi_slopes, return_lse, deterministic, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale, softcap,
+     sinks, alibi_slopes, needs_grad, return_lse, deterministic, backend) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, sinks, alibi_slopes)
+    ctx.flags = (max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale, softcap, return_lse,
+                 deterministic, backend)
+
+
+def _varlen_backward(ctx, dout, dlse):
+    from .api import sink_gradient
+
+    q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, sinks, alibi_slopes = ctx.saved_tensors
+    (max_seqlen_q, max_seqlen_k, causal, window_left, window_right, scale, softcap, return_lse, deterministic,
+     backend) = ctx.flags
+    dout = torch.zeros_like(out) if dout is None else dout
+    dlse = None if dlse is None or not return_lse else dlse.to(lse.dtype).contiguous()
+    dq, dk, dv = attention_varlen_backward_op(dout.contiguous(), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, out, lse, dlse, causal, window_left, window_right, scale,
+                                              softcap, sinks, alibi_slopes, return_lse, deterministic, backend)
+    dsinks = None
+    if sinks is not None:  # the dense formula on (1, heads, total) views of the packed output, LSE and dO
+        dsinks = sink_gradient(sinks, out.unsqueeze(0).transpose(1, 2), lse.unsqueeze(0),
+                               dout.unsqueeze(0).transpose(1, 2), None if dlse is None else dlse.unsqueeze(0))
+    return dq, dk, dv, *(None,) * 9, dsinks, *(None,) * 5
+
+
+attention_varlen_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+attention_varlen_backward_op.register_autograd(_double_backward, setup_context=_backward_setup_context)

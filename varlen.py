@@ -19,6 +19,7 @@ from .dispatch.problem import (Problem, check_deterministic, check_scale, check_
 from .dispatch.registry import get
 from .dispatch.select import decide_keyed, forced_backend, record
 from .errors import InvalidInputError
+from .op import lse_dtype
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -35,18 +36,42 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     ``max_seqlen_*``: at least the longest sequence (checked). ``alibi_slopes``: (heads_q,) or (batch, heads_q)
     floats, a row per sequence (FlashAttention's). Returns the output (total_q, heads_q, head_dim_v) and with
     ``return_lse`` the natural-log LSE (heads_q, total_q) in fp32, -inf for rows that see no key. Differentiable
-    (the LSE and sinks too). Reads the offsets on the host (one device sync); not under torch.compile yet.
+    (the LSE and sinks too). Reads the offsets on the host (one device sync). Under torch.compile it is one opaque
+    custom op (op.attention_varlen_op), which reads and checks them when the graph runs.
     """
-    if torch.compiler.is_compiling():
-        raise InvalidInputError("attention_varlen inside torch.compile is not supported yet (it reads cu_seqlens on "
-                                "the host); call it eagerly")
     from .api import _Attention, _causal_mask
-    from .op import lse_dtype
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise InvalidInputError(f"{name} must be a (total_tokens, heads, head_dim) tensor, got "
                                     f"{getattr(t, 'shape', type(t).__name__)}")
+    mask = _causal_mask(causal, window_size)
+    softcap = check_softcap(softcap)
+    deterministic = check_deterministic(deterministic)
+    if sinks is not None:
+        check_sinks(sinks, q.unsqueeze(0), "bshd")
+    if torch.compiler.is_compiling():
+        return _traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, scale, softcap, sinks,
+                       alibi_slopes, return_lse, deterministic, backend)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    decision, call = decide(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, scale, softcap,
+                            sinks, alibi_slopes, return_lse, needs_grad, deterministic, backend)
+    fwd = get(decision.forward.backend)
+    if fwd.autograd_native or not needs_grad:
+        out, lse = fwd.forward(decision.forward.variant, call)
+    else:
+        out, lse = _Attention.apply(call.q, call.k, call.v, None, sinks, decision, call)
+    out = out[0].transpose(0, 1)  # (total_q, heads, dim_v)
+    if not return_lse:
+        return out
+    return out, lse[0].to(lse_dtype(q))
+
+
+def decide(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, scale, softcap: float, sinks,
+           alibi_slopes, return_lse: bool, needs_grad: bool, deterministic: bool, backend):
+    """The Decision for a packed batch (recorded, so last_decision() reports it) and the Call that runs it, after
+    checking the tensors and reading the offsets on the host. The Call's q, k, v are (1, heads, total, dim) views
+    and its alibi_slopes a row per sequence."""
     if k.shape[0] != v.shape[0]:
         raise InvalidInputError(f"k has {k.shape[0]} tokens and v {v.shape[0]}: they must be packed alike")
     bounds_q = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
@@ -57,15 +82,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     longest_q = _check_max("max_seqlen_q", max_seqlen_q, bounds_q)
     longest_k = _check_max("max_seqlen_k", max_seqlen_k, bounds_k)
     sequences = len(bounds_q) - 1
-    mask = _causal_mask(causal, window_size)
-    softcap = check_softcap(softcap)
-    deterministic = check_deterministic(deterministic)
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, heads, dim): one packed "batch"
-    if sinks is not None:
-        check_sinks(sinks, q4, "bshd")
     if alibi_slopes is not None:
         alibi_slopes = _slopes(alibi_slopes, sequences, q)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     forced = forced_backend(backend)
     key = ("varlen", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, sequences,
            longest_q, longest_k, mask, softcap > 0, sinks is not None, alibi_slopes is not None, bool(return_lse),
@@ -87,15 +106,26 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     qh, kh, vh = (t.transpose(1, 2) for t in (q4, k4, v4))  # (1, heads, total, dim) views, the Call's order
     call = Call(qh, kh, vh, check_scale(scale, q.shape[-1]), mask, softcap=softcap, sinks=sinks,
                 alibi_slopes=alibi_slopes, varlen=packed)
-    fwd = get(decision.forward.backend)
-    if fwd.autograd_native or not needs_grad:
-        out, lse = fwd.forward(decision.forward.variant, call)
-    else:
-        out, lse = _Attention.apply(qh, kh, vh, None, sinks, decision, call)
-    out = out[0].transpose(0, 1)  # (total_q, heads, dim_v)
-    if not return_lse:
-        return out
-    return out, lse[0].to(lse_dtype(q))
+    return decision, call
+
+
+def _traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, scale, softcap, sinks,
+            alibi_slopes, return_lse, deterministic, backend):
+    """Under torch.compile: one opaque custom op (op.attention_varlen_op), deciding when the graph runs as an eager
+    call would; what only tracing knows (grad mode, requires_grad) is passed to it."""
+    from .op import attention_varlen_op
+
+    if mask.top_left or mask.tensor:  # (attention_varlen makes neither)
+        raise InvalidInputError("attention_varlen takes causal and window_size only")
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks))
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    elif type(scale) is not float:  # (a traced float may be symbolic: the op checks it when the graph runs)
+        scale = check_scale(scale, q.shape[-1])
+    out, lse = attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask.causal,
+                                   mask.window[0], mask.window[1], scale, softcap, sinks, alibi_slopes, needs_grad,
+                                   bool(return_lse), deterministic, backend)
+    return (out, lse) if return_lse else out
 
 
 def _offsets(name: str, cu: torch.Tensor, total: int, device) -> list[int]:

@@ -187,3 +187,74 @@ def test_the_lse_is_differentiable(gen):
     _, ref_lse = math_attention(qs, ks, vs, causal=True)
     ref_dq, ref_dk = torch.autograd.grad(ref_lse.sum(), (qs, ks))
     assert torch.allclose(dq[rows], ref_dq[0].transpose(0, 1)) and torch.allclose(dk[keys], ref_dk[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend,features", [(None, ""), ("reference", "softcap+sinks"), ("sdpa", ""),
+                                              ("reference", "alibi")])
+def test_compiles_fullgraph_and_matches_eager(backend, features, compiler, gen):
+    """attention_varlen under torch.compile(fullgraph=True) is one custom op: its output, LSE and gradients (the
+    sinks' too) equal the eager call's, which the tests above check against fp64, with the same Decision."""
+    torch._dynamo.reset()
+    q, k, v, cu_q, cu_k = packed(gen, LENGTHS_Q, LENGTHS_K)
+    kw = {}
+    if "softcap" in features:
+        kw["softcap"] = 1.5
+    if "sinks" in features:
+        kw["sinks"] = torch.randn(4, generator=gen).requires_grad_()
+    if "alibi" in features:
+        kw["alibi_slopes"] = torch.rand(len(LENGTHS_Q), 4, generator=gen)
+
+    def step(q, k, v):
+        return attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, causal=True, return_lse=backend != "sdpa",
+                                          backend=backend, **kw)
+
+    compiled = torch.compile(step, fullgraph=True, backend=compiler)(q, k, v)
+    decision = attnforge.last_decision()
+    eager = step(q, k, v)
+    assert attnforge.last_decision() == decision and decision.problem.varlen
+    if backend == "sdpa":
+        compiled, eager = (compiled, None), (eager, None)
+    leaves = [q, k, v] + ([kw["sinks"]] if "sinks" in kw else [])
+    seeds = [torch.randn(compiled[0].shape, generator=gen)]
+    if compiled[1] is not None:
+        torch.testing.assert_close(compiled[1], eager[1], atol=1e-6, rtol=1e-6)
+        seeds.append(torch.randn(compiled[1].shape, generator=gen).masked_fill(eager[1].isinf(), 0.0))
+    outputs = [t for t in compiled if t is not None]
+    grads = torch.autograd.grad(outputs, leaves, seeds)
+    eager_grads = torch.autograd.grad([t for t in eager if t is not None], leaves, seeds)
+    torch.testing.assert_close(compiled[0], eager[0], atol=1e-6, rtol=1e-6)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_opcheck(gen):
+    q, k, v, cu_q, cu_k = packed(gen, LENGTHS_Q, LENGTHS_K)
+    sinks = torch.randn(4, generator=gen)
+    args = (q, k, v, cu_q, cu_k, 113, 40, True, -1, -1, 0.3, 0.0, sinks, None, True, True, False, "reference")
+    torch.library.opcheck(torch.ops.attnforge.attention_varlen.default, args)
+    out, lse = (t.detach() for t in torch.ops.attnforge.attention_varlen.default(*args))
+    dout, dlse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    bwd = (dout, q.detach(), k.detach(), v.detach(), cu_q, cu_k, 113, 40, out, lse, dlse, True, -1, -1, 0.3, 0.0,
+           sinks, None, True, False, "reference")
+    torch.library.opcheck(torch.ops.attnforge.attention_varlen_backward.default, bwd)
+
+
+def test_offsets_are_checked_when_the_compiled_graph_runs(gen):
+    torch._dynamo.reset()
+    q, k, v, cu_q, cu_k = packed(gen, LENGTHS_Q, LENGTHS_K)
+    step = torch.compile(lambda q, k, v, cu: attnforge.attention_varlen(q, k, v, cu, cu_k, 113, 40), fullgraph=True,
+                         backend="aot_eager")
+    bad = cu_q.clone()
+    bad[2] = 30  # decreasing after 17, 30 > 17 + 0
+    bad[3] = 20
+    with pytest.raises(InvalidInputError, match="cu_seqlens_q must go from 0 to the packed length 171 without"):
+        step(q, k, v, bad)
+
+
+def test_double_backward_is_a_clear_error(gen):
+    q, k, v, cu_q, cu_k = packed(gen, LENGTHS_Q, LENGTHS_K)
+    out = attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, causal=True, backend="reference")
+    dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(attnforge.BackendUnavailableError, match="second-order gradients"):
+        torch.autograd.grad(dq.sum(), v)
