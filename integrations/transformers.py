@@ -4,7 +4,9 @@ Mirrors transformers' own SDPA integration: with no attention mask (the usual ca
 call goes to attnforge.attention with causal=True, so the fast kernels serve it; a sliding-window layer
 (Mistral, Gemma 2, gpt-oss) with no padding goes there too, with the window as window_size; a mask
 (padding, chunked attention, ...) goes through attnforge.sdpa, which keeps SDPA's mask semantics and
-serves them with the `sdpa` backend. Needs the `transformers` extra.
+serves them with the `sdpa` backend. A padding-free packed batch (one row of concatenated sequences with
+FlashAttention's varlen kwargs, as DataCollatorWithFlattening(return_flash_attn_kwargs=True) gives them) goes to
+attnforge.attention_varlen. Needs the `transformers` extra.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     i - sliding_window < j <= i, that is a left window of sliding_window - 1 (causal_mask gives no tensor then)."""
     softcap = kwargs.get("softcap") or 0.0
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks, one logit per query head
+    packed = _packed(query, kwargs)
+    if packed is not None:
+        return _packed_forward(module, query, key, value, packed, dropout, scaling, is_causal, softcap, sinks,
+                               kwargs.get("sliding_window")), None
     if (softcap or sinks is not None) and attention_mask is not None:
         raise ValueError("attnforge serves softcap and sinks only without an attention mask tensor (no padding, no "
                          "sliding window mask); use attn_implementation='eager'")
@@ -44,6 +50,34 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = api.sdpa(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
                        enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed(query: torch.Tensor, kwargs: dict):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a padding-free packed batch, where transformers
+    passes FlashAttention's varlen kwargs (``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``:
+    DataCollatorWithFlattening(return_flash_attn_kwargs=True)) for one row of concatenated sequences; else None."""
+    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    if query.shape[0] != 1 or any(kwargs.get(n) is None for n in names):
+        return None
+    cu_q, cu_k, max_q, max_k = (kwargs[n] for n in names)
+    return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
+
+
+def _packed_forward(module, query, key, value, packed, dropout, scaling, is_causal, softcap, sinks, window):
+    """A packed row through attention_varlen, as transformers' FlashAttention path runs it: causal within each
+    sequence (the block-diagonal mask transformers builds from the packed position ids says the same, so it is not
+    read), the layer's window and softcap. (batch 1, heads, total, dim) in, (1, total, heads, dim) out."""
+    from ..varlen import attention_varlen
+
+    if module.training and dropout:
+        raise ValueError("attnforge has no attention dropout for packed (varlen) batches; set attention_dropout=0 "
+                         "or use attn_implementation='sdpa'")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window_size = (-1, -1) if not window else (int(window) - 1, 0 if causal else -1)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (total, heads, dim)
+    out = attention_varlen(q, k, v, *packed, causal=causal, scale=scaling, window_size=window_size, softcap=softcap,
+                           sinks=sinks)
+    return out.unsqueeze(0)
 
 
 def register() -> str:

@@ -211,3 +211,22 @@ def test_gpt_oss_sinks_match_eager(gen):
         for layer in ours.model.layers:
             layer.self_attn.sinks.fill_(float("-inf"))
         assert (ours(ids).logits - want).abs().max() > 100 * (got - want).abs().max()  # the sinks mattered
+
+
+def test_a_packed_batch_goes_to_attention_varlen(models, gen):
+    """A padding-free packed row (sequences of 7, 1, 13 and 2 tokens concatenated, position ids restarting, and
+    FlashAttention's varlen kwargs as DataCollatorWithFlattening(return_flash_attn_kwargs=True) makes them) runs
+    one attention_varlen call per layer, and gives each sequence the logits it gets alone."""
+    ref, ours = models
+    lengths = [7, 1, 13, 2]
+    ids = torch.randint(1, 128, (1, sum(lengths)), generator=gen)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = dict(position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
+                  max_length_k=max(lengths))
+    with torch.no_grad():
+        got = ours(ids, **packed).logits
+        decision = attnforge.last_decision()
+        alone = [ref(ids[:, a:b]).logits for a, b in zip(cu.tolist(), cu.tolist()[1:])]
+    assert decision.problem.varlen and decision.problem.batch == len(lengths) and decision.problem.causal
+    torch.testing.assert_close(got, torch.cat(alone, 1), atol=1e-5, rtol=1e-5)
