@@ -15,10 +15,12 @@ Semantics, as the aten ops define them:
 - The LSE is natural-log, fp32, (batch, heads, seqlen_q); the philox seed and offset are zeros (there is no
   dropout); the outputs and gradients have the strides torch's meta functions give (``empty_like`` of the
   inputs).
+- Variable-length batches (``cum_seq_q``, ``cum_seq_k``: torch's jagged nested tensors) are
+  ``_flash_attention_forward``'s (total, heads, dim) tensors with int32 offsets; they run as attention_varlen's
+  packed batch, with its (heads, total_q) LSE, as torch's meta function gives it.
 - What attnforge does not serve yet is refused with the reason (torch's own flash kernel is replaced, so
-  there is nothing to fall back to): dropout, the debug mask, variable-length batches (``cum_seq_q``),
-  ``seqused_k``, a paged ``block_table``, ALiBi and sliding windows. ``num_splits`` is a speed hint; the
-  dispatcher's own choice stands.
+  there is nothing to fall back to): dropout, the debug mask, ``seqused_k``, a paged ``block_table``, ALiBi and
+  sliding windows. ``num_splits`` is a speed hint; the dispatcher's own choice stands.
 """
 
 from __future__ import annotations
@@ -160,10 +162,14 @@ def flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout
                   block_table=None, num_splits=None):
     """aten::_flash_attention_forward: (batch, seqlen, heads, dim), bottom-right ``is_causal``."""
     op = "aten::_flash_attention_forward"
-    _refuse(op, dropout_p=dropout_p, return_debug_mask=return_debug_mask, cum_seq_q=cum_seq_q is not None,
-            cum_seq_k=cum_seq_k is not None, seqused_k=seqused_k is not None, alibi_slopes=alibi_slopes is not None,
-            block_table=block_table is not None)
+    _refuse(op, dropout_p=dropout_p, return_debug_mask=return_debug_mask, seqused_k=seqused_k is not None,
+            alibi_slopes=alibi_slopes is not None, block_table=block_table is not None,
+            cum_seq_k=(cum_seq_q is None) != (cum_seq_k is None))
     _check_window(op, window_size_left, window_size_right)
+    if cum_seq_q is not None:
+        out, lse = _packed(op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale)
+        seed, offset = _seeds(query.device)
+        return out, lse, seed, offset, torch.empty(0, dtype=query.dtype, device=query.device)
     out, lse = _forward(op, query, key, value, "bshd", CAUSAL if is_causal else NONE, scale)
     seed, offset = _seeds(query.device)
     return out, lse, seed, offset, torch.empty(0, dtype=query.dtype, device=query.device)
@@ -185,7 +191,40 @@ def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
                    is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
     """aten::_flash_attention_backward: (dq, dk, dv) for (batch, seqlen, heads, dim) inputs."""
     op = "aten::_flash_attention_backward"
-    ragged = cum_seq_q is not None and cum_seq_q.numel() > 0
-    _refuse(op, dropout_p=dropout_p, cum_seq_q=ragged)
+    _refuse(op, dropout_p=dropout_p)
     _check_window(op, window_size_left, window_size_right)
+    if cum_seq_q is not None and cum_seq_q.numel() > 0:
+        return _packed_backward(op, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                                is_causal, scale)
     return _backward(op, grad_out, query, key, value, out, logsumexp, "bshd", CAUSAL if is_causal else NONE, scale)
+
+
+def _packed(op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale):
+    """A packed batch ((total, heads, dim), int32 offsets) by attention_varlen's Decision: (out with ``query``'s
+    strides, fp32 LSE (heads, total_q))."""
+    from ..op import attention_varlen_op
+
+    try:
+        out, lse = attention_varlen_op(query, key, value, cum_seq_q, cum_seq_k, int(max_q), int(max_k), is_causal,
+                                       -1, -1, _scale(scale, query), 0.0, None, None, False, True, False, None)
+    except BackendUnavailableError as e:
+        raise BackendUnavailableError(f"attnforge, active as torch's flash-attention implementation, cannot serve "
+                                      f"{op}:\n{e}") from None
+    like = torch.empty_like(query)
+    return (out if out.stride() == like.stride() else like.copy_(out)), lse.float()
+
+
+def _packed_backward(op, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
+                     scale):
+    """(dq, dk, dv) of a packed batch, with the inputs' strides, by attention_varlen's backward Decision."""
+    from ..op import attention_varlen_backward_op
+
+    try:
+        grads = attention_varlen_backward_op(grad_out.contiguous(), query, key, value, cum_seq_q, cum_seq_k,
+                                             int(max_q), int(max_k), out, logsumexp, None, is_causal, -1, -1,
+                                             _scale(scale, query), 0.0, None, None, True, False, None)
+    except BackendUnavailableError as e:
+        raise BackendUnavailableError(f"attnforge, active as torch's flash-attention implementation, cannot serve "
+                                      f"{op}:\n{e}") from None
+    return tuple(g if g.stride() == torch.empty_like(t).stride() else torch.empty_like(t).copy_(g)
+                 for g, t in zip(grads, (query, key, value)))

@@ -120,13 +120,13 @@ def test_sdpa_op_refuses_what_it_does_not_serve(what, kwargs, gen):
         torch_flash.sdpa_flash_forward(q, k, v, **kwargs)
 
 
-@pytest.mark.parametrize("what", ["cum_seq_q", "seqused_k", "alibi_slopes", "block_table", "sliding_window"])
+@pytest.mark.parametrize("what", ["cum_seq_k", "seqused_k", "alibi_slopes", "block_table", "sliding_window"])
 def test_flash_op_refuses_what_it_does_not_serve(what, gen):
     q, k, v = tensors(gen, 17, 17, "bshd")
     args = dict(cum_seq_q=None, cum_seq_k=None)
     kwargs = {}
-    if what == "cum_seq_q":
-        args = dict(cum_seq_q=torch.tensor([0, 17], dtype=torch.int32), cum_seq_k=torch.tensor([0, 17], dtype=torch.int32))
+    if what == "cum_seq_k":  # offsets for q and none for k: not a packed batch
+        args = dict(cum_seq_q=torch.tensor([0, 17], dtype=torch.int32), cum_seq_k=None)
     elif what == "sliding_window":
         kwargs = dict(window_size_left=4, window_size_right=0)
     else:
@@ -141,3 +141,31 @@ def test_unbounded_window_is_no_window(gen):
     unbounded = torch_flash.flash_forward(q, k, v, None, None, 17, 17, 0.0, True, False, window_size_left=-1,
                                           window_size_right=-1)[0]
     assert torch.equal(plain, unbounded)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_op_serves_packed_batches_as_attention_varlen(causal, gen):
+    """cum_seq_q/cum_seq_k (torch's jagged nested tensors): (total, heads, dim) tensors, LSE (heads, total_q) as torch's
+    meta function gives it, out and gradients with the inputs' strides, each sequence against fp64 math alone
+    (bottom-right causal per sequence, zero-length sequences included)."""
+    lengths_q, lengths_k = [5, 0, 17, 1], [9, 4, 17, 30]
+    q = torch.randn(sum(lengths_q), 4, 16, generator=gen)
+    k, v = (torch.randn(sum(lengths_k), 2, 16, generator=gen) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                  for n in (lengths_q, lengths_k))
+    out, lse, seed, offset, debug = torch_flash.flash_forward(q, k, v, cu_q, cu_k, 17, 30, 0.0, causal, False,
+                                                              scale=0.3)
+    assert lse.shape == (4, q.shape[0]) and lse.dtype == torch.float32 and not seed.any() and debug.numel() == 0
+    assert attnforge.last_decision().problem.varlen
+    dout = torch.randn(out.shape, generator=gen)
+    grads = torch_flash.flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, 17, 30, 0.0, causal, seed, offset,
+                                       scale=0.3)
+    assert_meta_strides((out, *grads), (q, q, k, v))
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(lengths_q)):
+        rows, keys = slice(bq[b], bq[b + 1]), slice(bk[b], bk[b + 1])
+        if rows.stop == rows.start:
+            continue
+        one = [t[None] for t in (q[rows], k[keys], v[keys], out[rows], dout[rows])]
+        check("bshd", False, *one[:3], causal, one[3], lse[:, rows][None], one[4],
+              (grads[0][rows][None], grads[1][keys][None], grads[2][keys][None]))
