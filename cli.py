@@ -184,6 +184,8 @@ def _bench(args) -> int:
             dtypes=args.dtype, head_dims=args.head_dim, seqlens=args.seqlen, tokens=args.tokens, heads=args.heads,
             kv_heads=args.kv_heads, modes=args.mode, impls=args.backends, warmup_ms=args.warmup_ms,
             rep_ms=args.rep_ms, seed=args.seed, device=args.device,
+            window=None if args.window_size is None else tuple(args.window_size), softcap=args.softcap,
+            sinks=args.sinks or None, alibi=args.alibi or None,
             causal={"both": (False, True), "true": (True,), "false": (False,), None: None}[args.causal],
         ).items() if v is not None}
         cfg = dataclasses.replace(cfg, **overrides)
@@ -519,6 +521,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", type=_csv(str), help="implementations: auto, attnforge backend names, sdpa-flash, "
                    "sdpa-cudnn, sdpa-efficient, sdpa-math, fa4, fa3, fa2 (default auto,sdpa-flash,sdpa-cudnn,"
                    "sdpa-efficient,fa4)")
+    p.add_argument("--window-size", type=_csv(int), default=None, metavar="LEFT,RIGHT",
+                   help="time a sliding window (FlashAttention's, -1 unbounded; TFLOP/s count the visible pairs)")
+    p.add_argument("--softcap", type=float, default=None, help="time capped scores (softcap * tanh(s / softcap))")
+    p.add_argument("--sinks", action="store_true", help="time a sink logit per query head (gpt-oss)")
+    p.add_argument("--alibi", action="store_true", help="time ALiBi slopes")
     p.add_argument("--baseline", help="ratios are against this implementation (default sdpa-flash; sdpa-math on CPU)")
     p.add_argument("--warmup-ms", type=float)
     p.add_argument("--rep-ms", type=float)

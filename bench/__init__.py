@@ -11,7 +11,7 @@ import torch
 import attnforge
 
 from . import measure, report
-from .impls import implementations
+from .impls import Features, implementations
 
 __all__ = ["BenchConfig", "implementations", "run"]
 
@@ -31,6 +31,12 @@ class BenchConfig:
     rep_ms: float = 100.0
     seed: int = 0
     device: str = "cuda"
+    # score features timed in every configuration: a sliding window (left, right; -1 unbounded, FlashAttention's),
+    # a softcap (0: none), a sink logit per query head, ALiBi slopes per query head
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    sinks: bool = False
+    alibi: bool = False
 
     def check(self) -> None:
         known = implementations()
@@ -42,6 +48,10 @@ class BenchConfig:
             raise attnforge.InvalidInputError(f"unknown mode(s) {', '.join(bad_modes)}; use fwd, fwd+bwd")
         for name in self.dtypes:
             attnforge.dispatch.dtype_name(name)
+        from attnforge.api import _check_window
+
+        _check_window(self.window)
+        attnforge.dispatch.problem.check_softcap(self.softcap)
 
 
 QUICK = BenchConfig(dtypes=("fp32",), head_dims=(64,), seqlens=(128, 256), tokens=512, heads=2,
@@ -54,8 +64,25 @@ def _inputs(dtype: torch.dtype, batch, seqlen, heads, kv_heads, head_dim, gen, d
     return rand(heads), rand(kv_heads), rand(kv_heads)
 
 
-def _measure_one(impl, q, k, v, dout, causal, scale, mode, device, cfg, ref):
-    fn = impl.make(causal, scale)
+def _features(cfg: BenchConfig, heads: int, gen, device) -> Features:
+    """The configuration's score features, with fresh sink logits (some above the scores, some below) and ALiBi's
+    geometric slopes 2^(-8 i / heads)."""
+    sinks = (torch.randn(heads, generator=gen, device=device) * 2.0).float() if cfg.sinks else None
+    slopes = (torch.tensor([2.0 ** (-8.0 * i / heads) for i in range(1, heads + 1)], device=device)
+              if cfg.alibi else None)
+    return Features(tuple(cfg.window), float(cfg.softcap), sinks, slopes)
+
+
+def _flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, mode, features: Features) -> float:
+    """FlashAttention's convention (measure.FLOP_FORMULA); with a window, the visible (query, key) pairs only."""
+    if features.window == (-1, -1):
+        return measure.flops(batch, heads, seqlen_q, seqlen_k, head_dim, head_dim, causal, mode)
+    pairs = measure.visible_pairs(seqlen_q, seqlen_k, causal, features.window)
+    return 2.0 * batch * heads * pairs * 2 * head_dim * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def _measure_one(impl, q, k, v, dout, causal, scale, mode, device, cfg, ref, features):
+    fn = impl.make(causal, scale, features)
     needs_grad = mode == "fwd+bwd"
     q, k, v = (t.detach().requires_grad_(needs_grad) for t in (q, k, v))
     out = fn(q, k, v)  # correctness first, on the same inputs the timing uses
@@ -88,31 +115,39 @@ def run(cfg: BenchConfig, progress=print, checkpoint=None) -> dict:
         scale = head_dim ** -0.5
         q, k, v = _inputs(dtype, batch, seqlen, heads, kv_heads, head_dim, gen, device)
         dout = torch.randn(q.shape, generator=gen, device=device).to(dtype)
+        features = _features(cfg, heads, gen, device)
         cache = {}
 
         def ref(with_grads):  # computed once per configuration, only if something ran
             if with_grads not in cache:
                 cache[with_grads] = measure.reference_outputs(q, k, v, causal=causal, scale=scale,
-                                                              dout=dout if with_grads else None)
+                                                              dout=dout if with_grads else None, features=features)
             return cache[with_grads]
 
         progress(f"[{n}/{len(grid)}] {dtype_name} d={head_dim} seqlen={seqlen} batch={batch} heads={heads}/{kv_heads} "
-                 f"{'causal' if causal else 'full'}")
+                 f"{'causal' if causal else 'full'}{measure.describe_features(features)}")
         for mode, name in itertools.product(cfg.modes, cfg.impls):
             impl = known[name]
             row = {"impl": name, "dtype": dtype_name, "batch": batch, "heads": heads, "kv_heads": kv_heads,
                    "seqlen_q": seqlen, "seqlen_k": seqlen, "head_dim": head_dim, "head_dim_v": head_dim,
                    "causal": causal, "dropout_p": 0.0, "mode": mode, "status": "ok", "reason": None,
                    "median_ms": None, "p10_ms": None, "p90_ms": None, "tflops": None, "peak_mem_bytes": None,
-                   "out_error": None, "grad_error": None, "grad_errors": None, "decision": None}
+                   "out_error": None, "grad_error": None, "grad_errors": None, "decision": None,
+                   "window": list(features.window), "softcap": features.softcap, "sinks": features.sinks is not None,
+                   "alibi": features.alibi_slopes is not None}
             why = impl.why_not(device, dtype)
+            lacking = sorted(features.names() - impl.features)
+            if lacking and not why:
+                why = f"{impl.summary} has no {', '.join(lacking)} here"
             if why:
                 unavailable[name] = why
                 results.append({**row, "status": "unavailable", "reason": why})
                 continue
             if impl.is_attnforge:
                 decision = attnforge.explain(q, k, v, layout="bshd", causal=causal, needs_grad=mode == "fwd+bwd",
-                                             backend=impl.attnforge_backend)
+                                             backend=impl.attnforge_backend, window_size=features.window,
+                                             softcap=features.softcap, sinks=features.sinks is not None,
+                                             alibi=features.alibi_slopes is not None)
                 row["decision"] = decision.to_dict()
                 if not decision.ok:
                     results.append({**row, "status": "unsupported",
@@ -120,10 +155,10 @@ def run(cfg: BenchConfig, progress=print, checkpoint=None) -> dict:
                     continue
             try:
                 with impl.context():
-                    row.update(_measure_one(impl, q, k, v, dout, causal, scale, mode, device, cfg, ref))
+                    row.update(_measure_one(impl, q, k, v, dout, causal, scale, mode, device, cfg, ref, features))
                     if impl.reports_decision and attnforge.last_decision() is not None:
                         row["decision"] = attnforge.last_decision().to_dict()
-                row["tflops"] = measure.flops(batch, heads, seqlen, seqlen, head_dim, head_dim, causal, mode) / (
+                row["tflops"] = _flops(batch, heads, seqlen, seqlen, head_dim, causal, mode, features) / (
                     row["median_ms"] * 1e-3) / 1e12
             except Exception as exc:  # a peer that refuses a config is a result, not a crash
                 row.update(status="error", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300])

@@ -14,15 +14,37 @@ import torch.nn.functional as F
 import attnforge
 from attnforge.dispatch import registered
 
-# Timed callables take (q, k, v) in (batch, seqlen, heads, dim) memory order, FlashAttention's.
+# Timed callables take (q, k, v) in (batch, seqlen, heads, dim) memory order, FlashAttention's. ``features`` is a
+# Features: the score features of a configuration (a window, softcap, sinks, ALiBi), which every make() applies.
+FEATURE_NAMES = ("window", "softcap", "sinks", "alibi")
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """The score features a configuration times: ``window`` (left, right), -1 unbounded; ``softcap`` (0: none);
+    ``sinks`` (heads_q,) fp32 logits or None; ``alibi_slopes`` (heads_q,) fp32 or None."""
+
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+
+    def names(self) -> frozenset[str]:
+        return frozenset(n for n, on in (("window", self.window != (-1, -1)), ("softcap", self.softcap > 0),
+                                         ("sinks", self.sinks is not None), ("alibi", self.alibi_slopes is not None))
+                         if on)
+
+
+NO_FEATURES = Features()
 
 
 @dataclasses.dataclass(frozen=True)
 class Impl:
     name: str
     summary: str
-    make: Callable  # (causal, scale) -> fn(q, k, v) -> out, inputs bshd
+    make: Callable  # (causal, scale, features) -> fn(q, k, v) -> out, inputs bshd
     why_not: Callable = lambda device, dtype: None  # reason it cannot run here, or None
+    features: frozenset = frozenset()  # the score features (FEATURE_NAMES) it can time
     is_attnforge: bool = False  # attnforge.attention: its Decision is recorded with each result
     attnforge_backend: str | None = None  # the backend it forces (None: automatic)
     context: Callable = contextlib.nullcontext  # entered around its checks and timing (not per call)
@@ -30,8 +52,10 @@ class Impl:
 
 
 def _attnforge(backend: str | None):
-    def make(causal, scale):
-        return lambda q, k, v: attnforge.attention(q, k, v, causal=causal, scale=scale, layout="bshd", backend=backend)
+    def make(causal, scale, features=NO_FEATURES):
+        return lambda q, k, v: attnforge.attention(q, k, v, causal=causal, scale=scale, layout="bshd", backend=backend,
+                                                   window_size=features.window, softcap=features.softcap,
+                                                   sinks=features.sinks, alibi_slopes=features.alibi_slopes)
     return make
 
 
@@ -40,7 +64,7 @@ def _sdpa_kernel(kind: str):
 
     backend = getattr(SDPBackend, kind)
 
-    def make(causal, scale):
+    def make(causal, scale, features=NO_FEATURES):
         def run(q, k, v):
             with sdpa_kernel(backend):
                 out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -88,11 +112,24 @@ def _fa4_why_not(device, dtype):
     return None
 
 
-def _fa4(causal, scale):
+def _fa_window(features: Features) -> dict:
+    """FlashAttention's window_size argument, where the configuration has a window."""
+    return dict(window_size=features.window) if features.window != (-1, -1) else {}
+
+
+def _fa4(causal, scale, features=NO_FEATURES):
     from flash_attn.cute import flash_attn_func
 
+    kw = {}
+    if features.window != (-1, -1):  # FlashAttention-4 spells an unbounded side None
+        kw["window_size"] = tuple(None if w < 0 else w for w in features.window)
+    if features.softcap:
+        kw["softcap"] = features.softcap
+    if features.sinks is not None:
+        kw["learnable_sink"] = features.sinks
+
     def run(q, k, v):
-        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **kw)
         return out[0] if isinstance(out, tuple) else out
     return run
 
@@ -109,9 +146,15 @@ def _fa2_why_not(device, dtype):
     return None
 
 
-def _fa2(causal, scale):
+def _fa2(causal, scale, features=NO_FEATURES):
     from flash_attn import flash_attn_func
-    return lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+
+    kw = _fa_window(features)
+    if features.softcap:
+        kw["softcap"] = features.softcap
+    if features.alibi_slopes is not None:
+        kw["alibi_slopes"] = features.alibi_slopes
+    return lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **kw)
 
 
 def _fa3_why_not(device, dtype):
@@ -124,21 +167,27 @@ def _fa3_why_not(device, dtype):
     return None
 
 
-def _fa3(causal, scale):
+def _fa3(causal, scale, features=NO_FEATURES):
     from flash_attn_interface import flash_attn_func
 
+    kw = _fa_window(features)
+    if features.softcap:
+        kw["softcap"] = features.softcap
+
     def run(q, k, v):
-        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, **kw)
         return out[0] if isinstance(out, tuple) else out
     return run
 
 
 def implementations() -> dict[str, Impl]:
     """Every implementation bench knows, by name."""
-    impls = {"auto": Impl("auto", "attnforge.attention, automatic choice", _attnforge(None), is_attnforge=True)}
+    every = frozenset(FEATURE_NAMES)  # attnforge takes them all; its Decision says where a backend cannot
+    impls = {"auto": Impl("auto", "attnforge.attention, automatic choice", _attnforge(None), is_attnforge=True,
+                          features=every)}
     for name, backend in registered().items():
         impls[name] = Impl(name, f"attnforge forced to {name}: {backend.summary}", _attnforge(name),
-                           is_attnforge=True, attnforge_backend=name)
+                           is_attnforge=True, attnforge_backend=name, features=every)
     for kind, name in (("FLASH_ATTENTION", "sdpa-flash"), ("CUDNN_ATTENTION", "sdpa-cudnn"),
                        ("EFFICIENT_ATTENTION", "sdpa-efficient"), ("MATH", "sdpa-math")):
         impls[name] = Impl(name, f"torch SDPA restricted to {kind}", _sdpa_kernel(kind),
@@ -147,7 +196,10 @@ def implementations() -> dict[str, Impl]:
         "sdpa-flash-attnforge", "torch SDPA restricted to FLASH_ATTENTION, attnforge active as torch's flash "
         "implementation (torch.nn.attention.activate_flash_attention_impl)", _sdpa_kernel("FLASH_ATTENTION"),
         why_not=_torch_flash_why_not, context=_attnforge_as_torch_flash, reports_decision=True)
-    impls["fa4"] = Impl("fa4", "FlashAttention-4 (flash_attn.cute.flash_attn_func)", _fa4, _fa4_why_not)
-    impls["fa3"] = Impl("fa3", "FlashAttention-3 (flash_attn_interface.flash_attn_func)", _fa3, _fa3_why_not)
-    impls["fa2"] = Impl("fa2", "FlashAttention-2 (flash_attn.flash_attn_func)", _fa2, _fa2_why_not)
+    impls["fa4"] = Impl("fa4", "FlashAttention-4 (flash_attn.cute.flash_attn_func)", _fa4, _fa4_why_not,
+                        features=frozenset({"window", "softcap", "sinks"}))
+    impls["fa3"] = Impl("fa3", "FlashAttention-3 (flash_attn_interface.flash_attn_func)", _fa3, _fa3_why_not,
+                        features=frozenset({"window", "softcap"}))
+    impls["fa2"] = Impl("fa2", "FlashAttention-2 (flash_attn.flash_attn_func)", _fa2, _fa2_why_not,
+                        features=frozenset({"window", "softcap", "alibi"}))
     return impls

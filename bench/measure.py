@@ -17,7 +17,8 @@ from attnforge.dispatch import costs
 from attnforge.testing import rel_error
 
 FLOP_FORMULA = ("forward: 2 * batch * heads * seqlen_q * seqlen_k * (head_dim + head_dim_v), halved when causal "
-                "(= 4*B*H*N^2*d for d = dv); forward+backward: 3.5x the forward (backward = 2.5x forward, "
+                "(= 4*B*H*N^2*d for d = dv); with a sliding window, 2 * batch * heads * (visible query-key pairs) * "
+                "(head_dim + head_dim_v); forward+backward: 3.5x the forward (backward = 2.5x forward, "
                 "FlashAttention's benchmark convention)")
 TIMING = ("CUDA events via triton.testing.do_bench (L2 flushed between runs), quantiles 0.5/0.1/0.9 of the "
           "repetitions; on CPU time.perf_counter around each call")
@@ -101,15 +102,45 @@ def peak_mem_bytes(fn, device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) - before
 
 
-def reference_outputs(q, k, v, *, causal, scale, dout=None):
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int]) -> int:
+    """The (query, key) pairs a sliding window (FlashAttention's, bottom-right aligned; causal bounds the right side
+    at 0) leaves visible: the work a kernel that skips the hidden blocks has to do."""
+    left, right = window
+    rows = torch.arange(seqlen_q, dtype=torch.int64) + (seqlen_k - seqlen_q)
+    lo = (rows - left).clamp(min=0) if left >= 0 else torch.zeros_like(rows)
+    hi = rows if causal else ((rows + right).clamp(max=seqlen_k - 1) if right >= 0 else torch.full_like(rows, seqlen_k - 1))
+    return int((hi.clamp(max=seqlen_k - 1) - lo + 1).clamp(min=0).sum())
+
+
+def describe_features(features) -> str:
+    """ " window=(L, R) softcap=C sinks alibi" for the features a configuration has ("" for none)."""
+    parts = [f"window=({features.window[0]}, {features.window[1]})" if features.window != (-1, -1) else "",
+             f"softcap={features.softcap:g}" if features.softcap else "",
+             "sinks" if features.sinks is not None else "", "alibi" if features.alibi_slopes is not None else ""]
+    return "".join(" " + p for p in parts if p)
+
+
+def reference_outputs(q, k, v, *, causal, scale, dout=None, features=None):
     """Output (and gradients) from attnforge's reference kernels in higher precision than the inputs:
-    fp32 for fp16/bf16, fp64 for fp32 (bshd in, bshd out). The errors are measured against these."""
+    fp32 for fp16/bf16, fp64 for fp32 (bshd in, bshd out), with the configuration's score features. The errors
+    are measured against these."""
+    from attnforge.api import _causal_mask
+
     wide = torch.float64 if q.dtype == torch.float32 else torch.float32
     q32, k32, v32 = (t.detach().to(wide).transpose(1, 2) for t in (q, k, v))
-    out, lse = reference.forward(q32, k32, v32, causal=causal, scale=scale)
+    kw = {}
+    mask = _causal_mask(causal)
+    if features is not None:
+        mask = _causal_mask(causal, features.window)
+        slopes = features.alibi_slopes
+        kw = dict(softcap=features.softcap,
+                  alibi_slopes=None if slopes is None else slopes.to(wide).expand(q.shape[0], -1).contiguous())
+    sinks = None if features is None or features.sinks is None else features.sinks.to(wide)
+    out, lse = reference.forward(q32, k32, v32, mask=mask, scale=scale, sinks=sinks, **kw)
     grads = None
     if dout is not None:
-        grads = reference.backward(q32, k32, v32, out, lse, dout.to(wide).transpose(1, 2), causal=causal, scale=scale)
+        grads = reference.backward(q32, k32, v32, out, lse, dout.to(wide).transpose(1, 2), mask=mask, scale=scale,
+                                   **kw)
         grads = tuple(g.transpose(1, 2) for g in grads)
     return out.transpose(1, 2), grads
 

@@ -8,6 +8,7 @@ from attnforge.errors import AttnforgeError
 
 SCHEMA = "attnforge.bench/1"
 CONFIG_KEYS = ("dtype", "head_dim", "seqlen_q", "seqlen_k", "batch", "heads", "kv_heads", "causal", "mode")
+FEATURE_KEYS = ("window", "softcap", "sinks", "alibi")  # absent in results written before bench timed them
 
 
 def _fmt(x, spec):
@@ -20,11 +21,12 @@ def table(report: dict, baseline: str) -> str:
              f"attnforge {report['environment']['attnforge']}  (TFLOP/s: {report['settings']['flop_formula']})"]
     configs: dict[tuple, list[dict]] = {}
     for row in report["results"]:
-        configs.setdefault(tuple(row[k] for k in CONFIG_KEYS), []).append(row)
+        key = tuple(row[k] for k in CONFIG_KEYS) + tuple(_hashable(row.get(k)) for k in FEATURE_KEYS)
+        configs.setdefault(key, []).append(row)
     for key, rows in configs.items():
-        c = dict(zip(CONFIG_KEYS, key))
+        c = dict(zip(CONFIG_KEYS + FEATURE_KEYS, key))
         lines.append(f"\n{c['dtype']} d={c['head_dim']} seqlen={c['seqlen_q']} batch={c['batch']} heads={c['heads']}/"
-                     f"{c['kv_heads']}kv {'causal' if c['causal'] else 'full'} {c['mode']}")
+                     f"{c['kv_heads']}kv {'causal' if c['causal'] else 'full'}{_features(c)} {c['mode']}")
         base = next((r["tflops"] for r in rows if r["impl"] == baseline and r["status"] == "ok"), None)
         lines.append(f"  {'impl':<16}{'median ms':>10}{'TFLOP/s':>9}{'vs ' + baseline:>18}{'out err':>10}"
                      f"{'grad err':>10}{'peak MiB':>10}  note")
@@ -40,6 +42,18 @@ def table(report: dict, baseline: str) -> str:
             lines.append(f"  {r['impl']:<16}{r['median_ms']:>10.3f}{tflops}{_fmt(ratio, '.2f'):>17}x"
                          f"{_fmt(r['out_error'], '.1e'):>10}{_fmt(r['grad_error'], '.1e'):>10}{_fmt(mem, '.0f'):>10}  {note}")
     return "\n".join(lines)
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _features(c: dict) -> str:
+    window = c.get("window")
+    parts = [f"window=({window[0]}, {window[1]})" if window and tuple(window) != (-1, -1) else "",
+             f"softcap={c['softcap']:g}" if c.get("softcap") else "", "sinks" if c.get("sinks") else "",
+             "alibi" if c.get("alibi") else ""]
+    return "".join(" " + p for p in parts if p)
 
 
 def write_json(report: dict, path: str) -> None:

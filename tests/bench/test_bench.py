@@ -9,7 +9,7 @@ from attnforge.cli import main
 
 ROW_KEYS = {"impl", "dtype", "batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "causal",
             "dropout_p", "mode", "status", "reason", "median_ms", "p10_ms", "p90_ms", "tflops", "peak_mem_bytes",
-            "out_error", "grad_error", "grad_errors", "decision"}
+            "out_error", "grad_error", "grad_errors", "decision", "window", "softcap", "sinks", "alibi"}
 
 
 def test_quick_bench_writes_json_and_plot(tmp_path, capsys):
@@ -120,3 +120,37 @@ def test_replot_of_an_unreadable_file_is_a_one_line_error(tmp_path, capsys, cont
     assert main(["bench", "--replot", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("attnforge: error: " + why.format(path=path)) and err.count("\n") == 1, err
+
+
+def test_quick_bench_times_score_features(tmp_path, capsys):
+    """--window-size, --softcap, --sinks and --alibi: every configuration runs with them, checked against the
+    reference with the same features; a peer that lacks one is listed with why; a window's TFLOP/s count only the
+    visible pairs."""
+    out = tmp_path / "r.json"
+    assert main(["bench", "--quick", "--rep-ms", "5", "--warmup-ms", "1", "--causal", "true", "--mode", "fwd+bwd",
+                 "--window-size", "40,0", "--softcap", "5", "--sinks", "--alibi", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "window=(40, 0) softcap=5 sinks alibi" in text
+    rows = json.loads(out.read_text())["results"]
+    for row in rows:
+        assert (row["window"], row["softcap"], row["sinks"], row["alibi"]) == ([40, 0], 5.0, True, True), row
+        if row["impl"] == "sdpa-math":
+            assert row["status"] == "unavailable" and "has no alibi, sinks, softcap, window" in row["reason"]
+            continue
+        assert row["status"] == "ok" and 0 < row["out_error"] < 1e-5 and 0 < row["grad_error"] < 1e-5, row
+        decision = row["decision"]["problem"]
+        assert "softcap" in decision and "sinks" in decision and "alibi" in decision
+        pairs = sum(min(i, 40) + 1 for i in range(row["seqlen_q"]))  # causal, 40 keys to the left
+        flops = 2 * row["batch"] * row["heads"] * pairs * 2 * row["head_dim"] * 3.5
+        assert abs(row["tflops"] - flops / (row["median_ms"] * 1e-3) / 1e12) <= 1e-9 * row["tflops"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [(5, 0), (3, 7), (-1, 4), (6, -1), (0, 0)])
+@pytest.mark.parametrize("nq,nk", [(13, 13), (7, 20), (20, 7)])
+def test_visible_pairs_follow_the_mask_rule(nq, nk, window, causal):
+    from attnforge.api import _causal_mask
+    from attnforge.bench import measure
+    from attnforge.testing import sees
+
+    assert measure.visible_pairs(nq, nk, causal, window) == int(sees(_causal_mask(causal, window), nq, nk).sum())
