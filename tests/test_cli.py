@@ -196,3 +196,21 @@ def test_explain_takes_alibi(capsys):
                  "--alibi", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["forward"]["backend"] == "triton_fa2" and "alibi" in d["forward"]["variant"]
+
+
+def test_explain_takes_varlen(capsys):
+    assert main(["explain", "--device", "H100", "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "4096",
+                 "--batch", "12", "--varlen", "--needs-grad", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["forward"]["backend"] == d["backward"]["backend"] == "triton_fa2" and "varlen" in d["forward"]["variant"]
+    assert "varlen" in d["problem"]
+
+
+def test_build_lists_the_varlen_kernels(capsys):
+    assert main(["build", "--target", "sm90", "--backend", "triton_fa2", "--head-dim", "128", "--dtype", "bf16",
+                 "--causal", "true", "--features", "varlen", "--list"]) == 0
+    listed = capsys.readouterr().out
+    for kernel in ("fwd_kernel", "dkdv_kernel", "dq_kernel"):
+        assert f"{kernel}.sm90.bf16.d128.causal.varlen" in listed
+    assert "preprocess_kernel.sm90.bf16.d128.full.varlen" in listed and "8 kernels" in listed  # beside the plain 4
+    assert "fwd_m128_n64_w8_s3_ptr.fwd_kernel.sm90.bf16.d128.causal.varlen" in listed  # pointer loads
