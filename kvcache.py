@@ -25,7 +25,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_table: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
                            causal: bool = False, scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, sinks: torch.Tensor | None = None, num_splits: int = 0,
-                           return_lse: bool = False, backend: str | None = None, check_inputs: bool = True):
+                           return_lse: bool = False, backend: str | None = None, check_inputs: bool = True,
+                           k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None):
     """Attention of q (batch, seqlen_q, heads_q, head_dim) against each sequence's cached keys and values.
 
     ``cache_seqlens``: (batch,) int32 or an int: the cache position each sequence's keys end at (default: the
@@ -39,6 +40,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     and with ``return_lse`` the LSE (batch, heads_q, seqlen_q) fp32. No backward (as flash-attn's); not under
     torch.compile yet.
 
+    An fp8 cache: ``k_cache`` and ``v_cache`` float8_e4m3fn with fp16/bf16 ``q`` (and new ``k``, ``v`` in e4m3 too,
+    quantised by the caller); ``k_descale`` and ``v_descale`` (batch, heads_kv) fp32 (default 1) dequantise it: the
+    keys and values attended are cache * descale. The output is in q's dtype.
+
     ``check_inputs`` (default): the lengths, left pads and the pages they use are checked on the host (one sync),
     and a value outside the cache raises. ``check_inputs=False`` reads nothing on the host, so the call can be
     captured in a CUDA graph (a serving loop's decode step): the Triton kernels then read nothing outside the cache
@@ -50,6 +55,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise InvalidInputError("attention_with_kvcache inside torch.compile is not supported yet (it reads the "
                                 "cache lengths on the host); call it eagerly")
     _check_tensors(q, k_cache, v_cache, k, v)
+    descale = _descales(q, k_cache, k_descale, v_descale)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):
         raise InvalidInputError("attention_with_kvcache has no backward (as flash-attn's): call it under "
                                 "torch.no_grad(), or use attention() or attention_varlen() to train")
@@ -89,15 +95,15 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _append(v_cache, v, ends, block_table)
         ends = ends + new
     forced = forced_backend(backend)
-    key = ("kvcache", q.shape, k_cache.shape, v_cache.shape, q.dtype, device, paged, longest, mask, softcap > 0,
-           sinks is not None, bool(return_lse), forced)
+    key = ("kvcache", q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, device, paged, longest, mask,
+           softcap > 0, sinks is not None, bool(return_lse), forced)
     decision = decide_keyed(key, lambda: Problem(
         batch=batch, heads_q=heads_q, heads_kv=k_cache.shape[2], seqlen_q=seqlen_q, seqlen_k=longest,
         head_dim=head_dim, head_dim_v=v_cache.shape[3], dtype=dtype_name(q.dtype), device=detect(device), mask=mask,
         return_lse=bool(return_lse), softcap=softcap > 0, sinks=sinks is not None,
-        kv_cache="paged" if paged else "contiguous"), *forced)
+        kv_cache="paged" if paged else "contiguous", kv_dtype="fp8" if descale is not None else ""), *forced)
     record(decision)
-    cache = KVCache(ends.to(torch.int32), starts, block_table, longest, num_splits)
+    cache = KVCache(ends.to(torch.int32), starts, block_table, longest, num_splits, descale)
     call = Call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                 check_scale(scale, head_dim), mask, softcap=softcap, sinks=sinks, cache=cache)
     out, lse = get(decision.forward.backend).forward(decision.forward.variant, call)
@@ -111,9 +117,20 @@ def _check_tensors(q, k_cache, v_cache, k, v) -> None:
             continue
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise InvalidInputError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
-        if t.device != q.device or t.dtype != q.dtype:
-            raise InvalidInputError(f"{name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}: they must "
-                                    f"share one dtype and device")
+        if t.device != q.device:
+            raise InvalidInputError(f"{name} is on {t.device} but q is on {q.device}: they must share one device")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and q.dtype not in (torch.float16, torch.bfloat16):
+        raise InvalidInputError(f"an fp8 KV cache takes fp16 or bf16 queries, got q {q.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is None:
+            continue
+        if fp8 and t.dtype != torch.float8_e4m3fn:
+            raise InvalidInputError(f"{name} is {t.dtype}: with a float8_e4m3fn k_cache, v_cache and new k, v are "
+                                    "float8_e4m3fn too")
+        if not fp8 and t.dtype != q.dtype:
+            raise InvalidInputError(f"{name} is {t.dtype} but q is {q.dtype}: they must share one dtype (or the caches "
+                                    "and new k, v are float8_e4m3fn, with fp16/bf16 q)")
     if (k is None) != (v is None):
         raise InvalidInputError("pass k and v together, or neither")
     if k_cache.shape[:3] != v_cache.shape[:3]:
@@ -131,6 +148,27 @@ def _check_tensors(q, k_cache, v_cache, k, v) -> None:
                           or v.shape[2:] != v_cache.shape[2:]):
         raise InvalidInputError(f"k and v must be (batch, seqlen_new, heads_kv, head_dim) like the caches with batch "
                                 f"{q.shape[0]}, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def _descales(q, k_cache, k_descale, v_descale) -> torch.Tensor | None:
+    """The (2, batch, heads_kv) fp32 descales of an fp8 cache (ones where not given); None for another cache, where
+    giving one is an error."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        if k_descale is not None or v_descale is not None:
+            raise InvalidInputError(f"k_descale and v_descale apply to a float8_e4m3fn cache, got {k_cache.dtype}")
+        return None
+    batch, heads_kv = q.shape[0], k_cache.shape[2]
+    out = torch.ones(2, batch, heads_kv, dtype=torch.float32, device=q.device)
+    for i, (name, d) in enumerate((("k_descale", k_descale), ("v_descale", v_descale))):
+        if d is None:
+            continue
+        if not isinstance(d, torch.Tensor) or tuple(d.shape) != (batch, heads_kv) or not d.is_floating_point():
+            raise InvalidInputError(f"{name} must be a float tensor of shape (batch, heads_kv) = ({batch}, {heads_kv}), "
+                                    f"got {getattr(d, 'shape', type(d).__name__)}")
+        if d.device != q.device:
+            raise InvalidInputError(f"{name} is on {d.device} but q is on {q.device}")
+        out[i] = d.to(torch.float32)
+    return out
 
 
 def _checked_longest(ends, starts, block_table, new: int, capacity: int, pages: int, page_size: int) -> int:

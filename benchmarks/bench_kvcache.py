@@ -8,7 +8,8 @@ eagerly (host work included: attention_with_kvcache checks the lengths and block
 serving loop that captures decode runs it; attnforge's graph is the check_inputs=False call). Times are medians
 of CUDA-event timings (triton.testing.do_bench), interleaved over rounds. Reported: TFLOP/s with FLOPs = 4 * batch
 * heads_q * seqlen_q * seqlen_k * head_dim, and KV bandwidth = the bytes of K and V read once (2 * batch *
-seqlen_k * heads_kv * head_dim * element size) per second. Outputs are checked against fp32 math first.
+seqlen_k * heads_kv * head_dim * element size: 1 for the " fp8" rows, an e4m3 copy of the cache) per second. Outputs
+are checked against fp32 math on the cache each reads first.
 
     python benchmarks/bench_kvcache.py --json out.json [--sweep]
 
@@ -101,18 +102,25 @@ def runners(shape, gen):
         q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table, scale=scale, check_inputs=False)
     out["attnforge graph"] = graphed(out["attnforge unchecked"])
     out["attnforge-paged64 graph"] = graphed(out["attnforge-paged64 unchecked"])
+    # the same cache in e4m3 (descale 1): half the bytes to read
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    out["attnforge fp8"] = lambda: attnforge.attention_with_kvcache(q, k8, v8, cache_seqlens=seqlens, scale=scale)
+    out["attnforge fp8 graph"] = graphed(lambda: attnforge.attention_with_kvcache(
+        q, k8, v8, cache_seqlens=seqlens, scale=scale, check_inputs=False))
     for name in ("sdpa", "fa4", "fa4-paged64"):
         if name in out:
             try:
                 out[f"{name} graph"] = graphed(out[name])
             except Exception as exc:  # noqa: BLE001 - a peer that cannot be captured is timed eagerly only
                 print(f"  {name}: not captured in a CUDA graph ({type(exc).__name__}: {str(exc)[:120]})")
-    ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), k_cache.float().transpose(1, 2),
-                                         v_cache.float().transpose(1, 2), scale=scale, enable_gqa=True).transpose(1, 2)
-    return out, ref, (q, k_cache, v_cache, seqlens, scale, k_pages, v_pages, table)
+    refs = {cache: F.scaled_dot_product_attention(q.float().transpose(1, 2), kc.float().transpose(1, 2),
+                                                  vc.float().transpose(1, 2), scale=scale, enable_gqa=True).transpose(1, 2)
+            for cache, kc, vc in (("bf16", k_cache, v_cache), ("fp8", k8, v8))}
+    return out, refs, (q, k_cache, v_cache, seqlens, scale, k_pages, v_pages, table)
 
 
-def check(fns, ref) -> dict:
+def check(fns, refs) -> dict:
+    """Each eager output against fp32 math on the cache it reads (the bf16 one, or the fp8 one's values)."""
     errors = {}
     for name, fn in list(fns.items()):
         if name.endswith(" graph"):
@@ -126,7 +134,7 @@ def check(fns, ref) -> dict:
             continue
         if not torch.isfinite(got).all():
             raise SystemExit(f"{name}: NaN or inf in the output")
-        errors[name] = (got.float() - ref).abs().max().item()
+        errors[name] = (got.float() - refs["fp8" if "fp8" in name else "bf16"]).abs().max().item()
     bound = 4 * errors.get("sdpa", 0.0) + 2 ** -7
     for name, err in errors.items():
         if name.startswith("attnforge") and err > bound:
@@ -179,16 +187,17 @@ def main(argv=None) -> int:
     report = dict(device=torch.cuda.get_device_name(), copy_tbs=copy / 1e12, shapes=[])
     for shape in SHAPES:
         name, batch, n, hq, hkv, d = shape
-        fns, ref, inputs = runners(shape, gen)
-        errors = check(fns, ref)
+        fns, refs, inputs = runners(shape, gen)
+        errors = check(fns, refs)
         with torch.no_grad():
             times = interleaved_ms(fns, args.rounds)
         flops = 4 * batch * hq * 1 * n * d
-        kv_bytes = 2 * batch * n * hkv * d * 2
+        kv_elements = 2 * batch * n * hkv * d
         row = dict(shape=name, batch=batch, seqlen_k=n, heads=f"{hq}/{hkv}", head_dim=d, errors=errors, results={})
         print(f"{name}: batch {batch}, {n} keys, heads {hq}/{hkv}, d={d}, bf16, one query")
         for impl, samples in times.items():
             ms = sorted(samples)[len(samples) // 2]
+            kv_bytes = kv_elements * (1 if "fp8" in impl else 2)  # the bytes this one reads: e4m3 or bf16
             row["results"][impl] = dict(ms=ms, samples=samples, tflops=flops / (ms * 1e-3) / 1e12,
                                         kv_tbs=kv_bytes / (ms * 1e-3) / 1e12)
             r = row["results"][impl]

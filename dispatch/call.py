@@ -14,13 +14,16 @@ class KVCache(NamedTuple):
     """Where each sequence's keys sit in a KV cache (attention_with_kvcache): cache positions [``leftpad[b]``,
     ``seqlens[b]``) of its row, or of the pages ``block_table[b]`` names. ``seqlens``, ``leftpad`` (B,) int32,
     ``leftpad`` None for 0; ``block_table`` (B, max_pages) int32 or None (contiguous); ``longest`` the largest key
-    count (a host int; the capacity when the lengths were not read); ``num_splits`` the key splits asked for (0: the backend's heuristic)."""
+    count (a host int; the capacity when the lengths were not read); ``num_splits`` the key splits asked for (0: the
+    backend's heuristic); ``descale`` (2, B, heads_kv) fp32 for an fp8 cache: its keys and values are
+    cache * descale[0 or 1, b, kv head]."""
 
     seqlens: torch.Tensor
     leftpad: torch.Tensor | None
     block_table: torch.Tensor | None
     longest: int
     num_splits: int = 0
+    descale: torch.Tensor | None = None
 
 
 class Varlen(NamedTuple):

@@ -26,6 +26,7 @@ _ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "f
 _NAME_OF = {dt: name for name, dt in DTYPES.items()}
 LAYOUTS = ("bhsd", "bshd")
 KV_CACHES = ("", "contiguous", "paged")  # Problem.kv_cache
+KV_DTYPES = ("", "fp8")  # Problem.kv_dtype: the cache's own dtype where it is not q's
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -69,6 +70,8 @@ class Problem:
     # sequence) or "paged" (pages a block table names); seqlen_k is then the longest sequence's key count (the
     # cache's capacity when the lengths are not read on the host: check_inputs=False)
     kv_cache: str = ""
+    # a KV cache stored in another dtype than q: "fp8" (e4m3, dequantised by per-(batch, KV head) descales); "": q's
+    kv_dtype: str = ""
     # attention_varlen's packed batch (FlashAttention's varlen layout): batch counts the sequences and seqlen_q,
     # seqlen_k are the longest's (max_seqlen_q, max_seqlen_k)
     varlen: bool = False
@@ -90,6 +93,9 @@ class Problem:
             raise InvalidInputError(f"mask must be a Mask, got {self.mask!r}")
         if self.kv_cache not in KV_CACHES:
             raise InvalidInputError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
+        if self.kv_dtype not in KV_DTYPES or (self.kv_dtype and not self.kv_cache):
+            raise InvalidInputError(f"kv_dtype must be one of {KV_DTYPES} and is for a KV cache only, got "
+                                    f"{self.kv_dtype!r}")
         if self.varlen and self.kv_cache:
             raise InvalidInputError("a packed (varlen) batch and a KV cache are separate calls: attention_varlen or "
                                     "attention_with_kvcache")
@@ -118,7 +124,9 @@ class Problem:
         dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), *((f, True) for f in self.score_features),
                                  ("dropout", self.dropout), ("grad", self.needs_grad), ("deterministic", self.deterministic),
-                                 ("lse", self.return_lse), (f"{self.kv_cache} kv cache", bool(self.kv_cache)),
+                                 ("lse", self.return_lse),
+                                 (f"{self.kv_cache} {self.kv_dtype + ' ' if self.kv_dtype else ''}kv cache",
+                                  bool(self.kv_cache)),
                                  ("varlen", self.varlen)) if on]
         return (f"{self.dtype} b={self.batch} h={heads} nq={self.seqlen_q} nk={self.seqlen_k} {dims}"
                 + (" " + ",".join(flags) if flags else "") + f" on {self.device.arch} ({self.device.name})")

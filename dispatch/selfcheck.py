@@ -39,6 +39,8 @@ UNCHECKED = frozenset({"reference"})  # the oracle itself
 BATCH, HEADS_Q, HEADS_KV, SEQLEN_Q, SEQLEN_K = 1, 2, 1, 133, 161
 # A softcapped variant runs its tiny problem with this cap: near the unit scores' size, so the tanh bends them.
 SOFTCAP = 2.0
+# An fp8 KV cache's (key, value) descales in the tiny problem: not 1, so that a kernel that drops one is caught.
+FP8_KV_DESCALES = (0.5, 2.0)
 # ALiBi's geometric slopes for the tiny problem's HEADS_Q heads (2^(-8 i / heads)).
 ALIBI_SLOPES = tuple(2.0 ** (-8.0 * i / HEADS_Q) for i in range(1, HEADS_Q + 1))
 
@@ -188,7 +190,9 @@ def _tiny_cache(problem: Problem):
     device = problem.device.torch_device
     seqlens = torch.full((BATCH,), SEQLEN_K, dtype=torch.int32, device=device)
     table = (torch.arange(BATCH, dtype=torch.int32, device=device)[:, None] if problem.kv_cache == "paged" else None)
-    return KVCache(seqlens, None, table, SEQLEN_K)
+    descale = (torch.tensor(FP8_KV_DESCALES, device=device)[:, None, None].expand(2, BATCH, HEADS_KV).contiguous()
+               if problem.kv_dtype == "fp8" else None)
+    return KVCache(seqlens, None, table, SEQLEN_K, descale=descale)
 
 
 def _tiny_varlen(problem: Problem):
@@ -209,8 +213,15 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
 
     dtype = DTYPES[problem.dtype]
     q, k, v, _, scale, features = _tiny_inputs(problem)
-    out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask, cache=_tiny_cache(problem),
-                                           varlen=_tiny_varlen(problem), **features))
+    cache = _tiny_cache(problem)
+    if problem.kv_dtype == "fp8":  # the cache holds e4m3; the answer is of what it stands for
+        k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        out, _ = backend.forward(variant, Call(q, k8, v8, scale, problem.mask, cache=cache, **features))
+        k, v = (x.float() * d for x, d in zip((k8, v8), FP8_KV_DESCALES))
+        k, v = k.to(dtype), v.to(dtype)  # (exact for e4m3 values times a power of two)
+    else:
+        out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask, cache=cache,
+                                               varlen=_tiny_varlen(problem), **features))
     ref, _ = math_attention(q.double(), k.double(), v.double(), mask=problem.mask, scale=scale,
                             **{n: x.double() if isinstance(x, torch.Tensor) else x for n, x in features.items()})
     if not torch.isfinite(out).all():

@@ -34,6 +34,7 @@ class Support:
     deterministic_backward: str = ""
     empty: bool = True  # zero-sized batch, heads or sequence
     kv_cache: frozenset[str] = frozenset()  # the KV caches it reads in place ("contiguous", "paged")
+    kv_cache_fp8: bool = False  # an fp8 (e4m3) KV cache with descales, for fp16/bf16 queries
     varlen: bool = False  # packed variable-length batches (cu_seqlens) in one call
 
     def reasons(self, p: Problem) -> list[str]:
@@ -75,6 +76,8 @@ class Support:
         if p.kv_cache and p.kv_cache not in self.kv_cache:
             out.append(f"a {p.kv_cache} KV cache is not supported (it has no kernel that reads cache_seqlens"
                        f"{' and a block_table' if p.kv_cache == 'paged' else ''})")
+        if p.kv_dtype == "fp8" and not self.kv_cache_fp8:
+            out.append("an fp8 (e4m3) KV cache is not supported")
         if p.varlen and not self.varlen:
             out.append("a packed variable-length batch (cu_seqlens) is not supported (it has no varlen kernel)")
         if p.empty and not self.empty:

@@ -26,6 +26,7 @@ class ReferenceBackend(Backend):
         softcap=True, sinks=True, alibi=True,
         dropout=False,  # the dropout mask would have to be regenerated in backward; sdpa serves dropout
         kv_cache=frozenset({"contiguous", "paged"}),  # each sequence's keys gathered, then computed alone (slow)
+        kv_cache_fp8=True,  # gathered keys and values dequantised by their descales
         varlen=True,  # each sequence of a packed batch computed alone, on views (slow)
     )
 
@@ -68,6 +69,8 @@ class ReferenceBackend(Backend):
         with _no_autocast(call.q):
             for b, (start, end) in enumerate(zip(starts, ends)):
                 keys, values = (_positions(t, b, start, end, pages) for t in (call.k, call.v))
+                if cache.descale is not None:  # an fp8 cache: the values it stands for, in fp32
+                    keys, values = (x.float() * d[b][:, None, None] for x, d in zip((keys, values), cache.descale))
                 out, lse = kernels.forward(call.q[b:b + 1], keys[None], values[None], mask=call.mask, scale=call.scale,
                                            softcap=call.softcap, sinks=call.sinks)
                 outs.append(out[0])

@@ -6,12 +6,15 @@ from __future__ import annotations
 from ...runtime.triton_aot import KernelBuild, kernel_function
 
 # Pointer arguments that hold fp32 or int32 whatever the inputs' dtype; every other pointer holds the data dtype.
-FP32_POINTERS = {"LSE", "DELTA", "SINKS", "SLOPES", "O_PART", "LSE_PART"}
+FP32_POINTERS = {"LSE", "DELTA", "SINKS", "SLOPES", "O_PART", "LSE_PART", "DESCALE"}
 INT32_POINTERS = {"SEQLENS", "LEFTPAD", "BLOCK_TABLE"}
 # A packed batch's row offsets: int32 in VARLEN kernels; the others get the (fp32) LSE as an unused stand-in.
 OFFSET_POINTERS = {"CU_Q", "CU_K"}
 # Upper-case parameters that are sizes, not pointers.
-SIZES = ("B", "H", "GROUP", "N_Q", "N_K", "H_KV", "PAGE_SIZE", "KEYS_PER_SPLIT", "NUM_SPLITS", "CAPACITY", "NUM_PAGES")
+SIZES = ("B", "H", "GROUP", "N_Q", "N_K", "H_KV", "PAGE_SIZE", "KEYS_PER_SPLIT", "NUM_SPLITS", "CAPACITY", "NUM_PAGES",
+         "B_H_KV")
+# An fp8 KV cache's K and V (the KV-cache kernel's FP8_KV): e4m3, Triton's fp8e4nv.
+CACHE_POINTERS = {"K", "V"}
 TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16"}
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dkdv_kernel", "dq_kernel", "preprocess_kernel"),
            "kvcache": ("kvcache_kernel", "combine_kernel")}
@@ -21,10 +24,11 @@ KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dkdv_kernel", "dq_kernel", "preproce
 KV_SPLIT_POWERS = (2, 4, 8, 16, 32, 64, 128)
 
 
-def signature(fn, dtype: str, fp32_out: bool = False, varlen: bool = False) -> tuple[tuple, tuple]:
+def signature(fn, dtype: str, fp32_out: bool = False, varlen: bool = False, fp8_cache: bool = False) -> tuple[tuple, tuple]:
     """(signature, aligned pointers) of a generated kernel as the JIT sees it for 16-byte-aligned tensors:
     upper-case parameters are pointers (fp32 for LSE and DELTA; O too with ``fp32_out``; int32 for lengths and
-    block tables, and for a packed batch's offsets with ``varlen``), ``*scale*`` are fp32, the rest i32."""
+    block tables, and for a packed batch's offsets with ``varlen``; e4m3 for K and V with ``fp8_cache``), ``*scale*``
+    are fp32, the rest i32."""
     sig, aligned = [], []
     for p in fn.params:
         if p.is_constexpr:
@@ -32,6 +36,7 @@ def signature(fn, dtype: str, fp32_out: bool = False, varlen: bool = False) -> t
         elif p.name.isupper() and p.name not in SIZES:
             offsets = "i32" if varlen else "fp32"
             kind = ("fp32" if p.name in FP32_POINTERS or (fp32_out and p.name == "O") else
+                    "fp8e4nv" if fp8_cache and p.name in CACHE_POINTERS else
                     offsets if p.name in OFFSET_POINTERS else
                     "i32" if p.name in INT32_POINTERS else TRITON_DTYPES[dtype])
             sig.append((p.name, f"*{kind}"))
@@ -75,9 +80,10 @@ def kvcache_builds(variant, path) -> list[KernelBuild]:
     flags = (("CAUSAL", variant.causal and not variant.local), ("LOCAL", variant.local), ("SOFTCAP", variant.softcap),
              ("HAS_SINKS", variant.sinks))
     for fp32_out in (False, True):
-        sig, aligned = signature(fn, variant.dtype, fp32_out)
+        sig, aligned = signature(fn, variant.dtype, fp32_out, fp8_cache=variant.fp8_kv)
         for paged in (variant.paged,):
-            constexprs = head + flags + (("PAGED", paged), ("HAS_LEFTPAD", False), ("SPLIT", fp32_out))
+            constexprs = head + flags + (("PAGED", paged), ("HAS_LEFTPAD", False), ("SPLIT", fp32_out),
+                                         ("FP8_KV", variant.fp8_kv))
             out.append(KernelBuild(str(path), tile.module, "kvcache_kernel", variant.arch, variant.dtype,
                                    variant.head_dim, dict(flags)["CAUSAL"], tile.num_warps, tile.num_stages, sig,
                                    constexprs, aligned, ()))

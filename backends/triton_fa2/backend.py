@@ -78,17 +78,19 @@ class TritonVariant(Variant):
     alibi: bool = False  # ALiBi (the kernels' ALIBI; the slopes are the call's)
     paged: bool = False  # a KV-cache variant for paged caches (the kernel's PAGED)
     varlen: bool = False  # a packed batch, FlashAttention's varlen layout (the kernels' VARLEN)
+    fp8_kv: bool = False  # a KV-cache variant for an fp8 (e4m3) cache (the kernel's FP8_KV)
 
     @property
     def name(self) -> str:
         return (f"{self.tile.module}.{self.arch}.{self.dtype}.d{self.head_dim}."
                 f"{'causal' if self.causal else 'full'}{'.local' if self.local else ''}"
                 f"{'.softcap' if self.softcap else ''}{'.sinks' if self.sinks else ''}"
-                f"{'.alibi' if self.alibi else ''}{'.paged' if self.paged else ''}{'.varlen' if self.varlen else ''}")
+                f"{'.alibi' if self.alibi else ''}{'.paged' if self.paged else ''}{'.varlen' if self.varlen else ''}"
+                f"{'.fp8kv' if self.fp8_kv else ''}")
 
     def describe(self) -> str:
         features = [f for f, on in (("window", self.local), ("softcap", self.softcap), ("sinks", self.sinks),
-                                    ("alibi", self.alibi), ("varlen", self.varlen)) if on]
+                                    ("alibi", self.alibi), ("varlen", self.varlen), ("fp8 cache", self.fp8_kv)) if on]
         return (self.tile.describe() + (f" +{'+'.join(features)}" if features else "") + (" (tuned)" if self.tuned else "")
                 + (" (interpreter)" if self.interpreted else ""))
 
@@ -123,10 +125,13 @@ class TritonFA2Backend(Backend):
         sinks=True,  # the forward's HAS_SINKS; the backward recomputes P from the LSE, which counts the sink
         alibi=True,  # ALIBI kernels
         kv_cache=frozenset({"contiguous", "paged"}),  # templates/triton_kvcache.py.jinja: split-KV, pack-GQA
+        kv_cache_fp8=True,  # its FP8_KV kernels, on the archs of FP8_KV_ARCHS
         varlen=True,  # the VARLEN kernels: one launch for a packed batch, a sequence's rows found by its offsets
     )
     # the multiprocessors the split heuristic fills when the interpreter runs the kernels (few: tests split)
     interpreter_multiprocessors = 4
+    # where Triton converts e4m3 (fp8e4nv) in hardware: Ada and later (sm80/sm86 have no fp8 conversion)
+    FP8_KV_ARCHS = ("sm89", "sm90", "sm100", "sm120")
 
     def available(self) -> list[str]:
         try:
@@ -176,6 +181,9 @@ class TritonFA2Backend(Backend):
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         if problem.alibi:
             reasons.append("ALiBi is not in its KV-cache kernel")
+        if problem.kv_dtype == "fp8" and not cpu and problem.device.arch not in self.FP8_KV_ARCHS:
+            reasons.append(f"an fp8 KV cache needs e4m3 conversion in hardware ({', '.join(self.FP8_KV_ARCHS)}; "
+                           f"the device is {problem.device.arch})")
         arch = self.interpreter_arch if cpu else problem.device.arch
         rows = problem.seqlen_q * (problem.heads_q // max(problem.heads_kv, 1))
         table = self._table("kvcache-paged" if problem.kv_cache == "paged" else "kvcache")
@@ -185,7 +193,7 @@ class TritonFA2Backend(Backend):
             return None, reasons
         return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, problem.head_dim, problem.dtype,
                              problem.causal, False, cpu, problem.mask.windowed, problem.softcap, problem.sinks,
-                             paged=problem.kv_cache == "paged"), []
+                             paged=problem.kv_cache == "paged", fp8_kv=problem.kv_dtype == "fp8"), []
 
     def _plan(self, problem: Problem) -> Planned:
         if problem.kv_cache:
@@ -227,12 +235,14 @@ class TritonFA2Backend(Backend):
     def _kvcache_variant(self, arch: str, head_dim: int, dtype: str, causal: bool, rows: int, paged: bool,
                          kinds: frozenset) -> TritonVariant | None:
         """The KV-cache variant for these rows and layout, with the features of ``kinds`` ("kvcache" and any of
-        "window", "softcap", "sinks")."""
+        "window", "softcap", "sinks", "fp8": an fp8 cache, on the archs that convert it)."""
         tile, _ = variants.kv_tile(self._table("kvcache-paged" if paged else "kvcache"), arch, head_dim, rows)
-        if tile is None:
+        fp8 = "fp8" in kinds
+        if tile is None or (fp8 and arch not in self.FP8_KV_ARCHS):
             return None
         return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, head_dim, dtype, causal,
-                             local="window" in kinds, softcap="softcap" in kinds, sinks="sinks" in kinds, paged=paged)
+                             local="window" in kinds, softcap="softcap" in kinds, sinks="sinks" in kinds, paged=paged,
+                             fp8_kv=fp8)
 
     def builds(self, variant: TritonVariant) -> list:
         return aot.builds(variant, generated.path_for(variant.source))
@@ -258,7 +268,7 @@ class TritonFA2Backend(Backend):
         variant.module.launch(q, k, v, out, lse, cache.seqlens, causal=variant.causal, scale=call.scale,
                               num_splits=splits, keys_per_split=per_split, leftpad=cache.leftpad,
                               block_table=cache.block_table, window=_window(variant, call), softcap=call.softcap,
-                              sinks=sinks)
+                              sinks=sinks, descale=cache.descale)
         return out, lse
 
     def forward(self, variant: TritonVariant, call):

@@ -181,3 +181,24 @@ def test_kvcache_kernels_compile_for_their_targets(backend, arch, cache):
         for build in builds[:3]:  # the two kvcache_kernel specialisations (one split, partials) and one combine
             meta, _ = triton_aot.build_cached(build, cache)
             assert meta["shared_bytes"] <= variants.SMEM[arch], build.name()
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm89"])
+def test_fp8_kvcache_kernels_compile(arch, cache):
+    """The FP8_KV KV-cache kernels (e4m3 caches, fp16/bf16 queries) compile for the archs that convert e4m3 in
+    hardware, with K and V typed fp8e4nv and the conversion in the machine code; sm80 has no such variant."""
+    b = registered()["triton_fa2"]
+    kinds = (frozenset({"kvcache", "fp8"}),)
+    variants_ = [v for v in b.variants([arch], dtypes=("bf16",), head_dims=(128,), causal=(True,), features=kinds)
+                 if v.family == "kvcache"]
+    assert variants_ and all(v.fp8_kv for v in variants_)
+    assert not [v for v in b.variants(["sm80"], dtypes=("bf16",), head_dims=(128,), features=kinds)
+                if v.family == "kvcache"]
+    for variant in variants_[:2]:  # contiguous and paged
+        (build, *_) = b.builds(variant)
+        assert dict(build.constexprs)["FP8_KV"] is True and ".fp8_kv" in build.name()
+        assert {("K", "*fp8e4nv"), ("V", "*fp8e4nv"), ("DESCALE", "*fp32")} <= set(build.signature)
+        meta, _ = triton_aot.build_cached(build, cache, keep_asm=True)
+        sass = (cache / meta["key"] / "kernel.sass").read_text()
+        assert "F2FP.F16.E4M3.UNPACK_B" in sass, build.name()  # e4m3 converted in hardware, two at a time
+        assert any(i.startswith("HMMA") for i in meta["instructions"]), meta["instructions"]

@@ -82,3 +82,50 @@ def test_kvcache_on_the_gpu(case, head_dim, page_size, dtype, gen, poisoned_empt
         ulps = 4 * math.sqrt(max(end, head_dim))
         assert_close(f"out[{b}]", out[b].transpose(0, 1).unsqueeze(0), ref, peer, ulps=ulps)
         assert_close(f"lse[{b}]", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ulps)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("page_size", [0, 64], ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize("case", [(32, 8, 1, 1, True, 0), (8, 8, 113, 0, True, 0), (16, 2, 4, 4, False, 5)], ids=str)
+def test_fp8_kvcache_on_the_gpu(case, page_size, dtype, gen, poisoned_empty):
+    """An e4m3 cache (values near 4, NaN where no sequence owns a position) with per-(sequence, KV head) descales,
+    against fp64 math on the values it stands for: the FP8_KV kernel, contiguous and paged, decode with an append
+    and chunked prefill, forced splits."""
+    hq, hkv, nq, new, causal, splits = case
+    head_dim, batch, capacity = 128, len(LENGTHS), 4352
+    e4m3 = torch.float8_e4m3fn
+    k_cache, v_cache = ((c.float() * 4).to(e4m3) for c in cache_pair(gen, LENGTHS, capacity, hkv, head_dim, dtype))
+    k_descale, v_descale = ((torch.rand(batch, hkv, generator=gen) + 0.25).cuda() for _ in range(2))
+    q = torch.randn(batch, nq, hq, head_dim, generator=gen).to("cuda", dtype)
+    k_new, v_new = ((torch.randn(batch, new, hkv, head_dim, generator=gen).mul(4).to("cuda", e4m3) for _ in range(2))
+                    if new else (None, None))
+    dense_k, dense_v = k_cache.float(), v_cache.float()
+    for b, n in enumerate(LENGTHS):
+        if new:
+            dense_k[b, n:n + new], dense_v[b, n:n + new] = k_new[b].float(), v_new[b].float()
+    kwargs = dict(cache_seqlens=torch.tensor(LENGTHS, dtype=torch.int32, device="cuda"), causal=causal,
+                  num_splits=splits, return_lse=True, backend="triton_fa2", k_descale=k_descale, v_descale=v_descale)
+    if page_size:
+        per_seq = capacity // page_size
+        pool = batch * per_seq + 3
+        table = torch.randperm(pool, generator=gen)[:batch * per_seq].to(torch.int32).reshape(batch, per_seq).cuda()
+        pages = [to_pages(c.float(), table, page_size, pool).to(e4m3) for c in (k_cache, v_cache)]
+        out, lse = attnforge.attention_with_kvcache(q, *pages, k_new, v_new, block_table=table, **kwargs)
+    else:
+        out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
+    assert attnforge.last_decision().forward.variant.fp8_kv and out.dtype == dtype
+    mask = _causal_mask(causal)
+    scale = head_dim ** -0.5
+    for b, n in enumerate(LENGTHS):
+        end = n + new
+        if end == 0:
+            assert (out[b] == 0).all()
+            continue
+        keys = dense_k[b, :end] * k_descale[b][None, :, None]
+        values = dense_v[b, :end] * v_descale[b][None, :, None]
+        bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (q[b], keys, values)]
+        ref, ref_lse, _ = oracle(*bhsd, mask=mask, scale=scale)
+        peer, _ = peer_error(*(t.to(dtype) for t in bhsd), mask=mask, scale=scale)
+        ulps = 4 * math.sqrt(max(end, head_dim))
+        assert_close(f"out[{b}]", out[b].transpose(0, 1).unsqueeze(0), ref, peer, ulps=ulps)
+        assert_close(f"lse[{b}]", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ulps)
