@@ -10,8 +10,8 @@ Prediction: the entry of the same plan, mode, dtype class, head dims, causality 
 nearest in log2 of (seqlen_q, seqlen_k, batch x heads_q), each within a factor of 2 (entries equally near, as
 for a problem between two measured classes, are averaged); the predicted time is the problem's FLOPs over
 that TFLOP/s. fp16 uses bf16's figures (the same kernels and tiles). Anything
-else is "unmeasured", as are windows, mask tensors, top-left causal, dropout, softcap, sinks, ALiBi and packed
-(varlen) batches (tables time none of them).
+else is "unmeasured", as are windows, mask tensors, top-left causal, dropout, softcap, sinks, ALiBi, fp8 KV
+caches and packed (varlen) batches (tables time none of them).
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ class CostTable:
     def estimate(self, plan: str, problem: Problem, mode: str) -> Estimate | None:
         """The predicted time of ``plan`` on ``problem`` (None: no entry covers its class)."""
         m = problem.mask
-        if m.windowed or m.tensor or m.top_left or problem.dropout or problem.score_features or problem.varlen:
+        if (m.windowed or m.tensor or m.top_left or problem.dropout or problem.score_features or problem.varlen
+                or problem.kv_dtype):
             return None  # classes tables do not measure: dense figures would mislead
         dtype = _DTYPE_CLASS.get(problem.dtype, problem.dtype)
         nearest, distance = [], math.inf
