@@ -39,12 +39,13 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     (the LSE and sinks too). Reads the offsets on the host (one device sync). Under torch.compile it is one opaque
     custom op (op.attention_varlen_op), which reads and checks them when the graph runs.
     """
-    from .api import _Attention, _causal_mask
+    from .api import _Attention, _causal_mask, autocast_inputs
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise InvalidInputError(f"{name} must be a (total_tokens, heads, head_dim) tensor, got "
                                     f"{getattr(t, 'shape', type(t).__name__)}")
+    q, k, v = autocast_inputs(q, k, v)  # (as attention(): inside torch.autocast, the dtype that runs)
     mask = _causal_mask(causal, window_size)
     softcap = check_softcap(softcap)
     deterministic = check_deterministic(deterministic)

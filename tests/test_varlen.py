@@ -258,3 +258,13 @@ def test_double_backward_is_a_clear_error(gen):
     dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
     with pytest.raises(attnforge.BackendUnavailableError, match="second-order gradients"):
         torch.autograd.grad(dq.sum(), v)
+
+
+def test_autocast_runs_the_autocast_dtype(gen):
+    """Inside torch.autocast the packed call runs in the autocast dtype, as attention() and SDPA do."""
+    q, k, v, cu_q, cu_k = packed(gen, LENGTHS_Q, LENGTHS_K)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, causal=True)
+    assert out.dtype == torch.bfloat16 and attnforge.last_decision().problem.dtype == "bf16"
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert all(g.dtype == torch.float32 and g.isfinite().all() for g in grads)
