@@ -75,8 +75,7 @@ def decide(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask
     and its alibi_slopes a row per sequence."""
     if k.shape[0] != v.shape[0]:
         raise InvalidInputError(f"k has {k.shape[0]} tokens and v {v.shape[0]}: they must be packed alike")
-    bounds_q = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    bounds_k = _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    bounds_q, bounds_k = _offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device)
     if len(bounds_q) != len(bounds_k):
         raise InvalidInputError(f"cu_seqlens_q has {len(bounds_q) - 1} sequences and cu_seqlens_k "
                                 f"{len(bounds_k) - 1}: they must have the same batch")
@@ -103,7 +102,7 @@ def decide(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask
 
     decision = decide_keyed(key, problem, *forced)
     record(decision)
-    packed = Varlen(cu_seqlens_q, cu_seqlens_k, longest_q, longest_k)
+    packed = Varlen(cu_seqlens_q, cu_seqlens_k, longest_q, longest_k, (tuple(bounds_q), tuple(bounds_k)))
     qh, kh, vh = (t.transpose(1, 2) for t in (q4, k4, v4))  # (1, heads, total, dim) views, the Call's order
     call = Call(qh, kh, vh, check_scale(scale, q.shape[-1]), mask, softcap=softcap, sinks=sinks,
                 alibi_slopes=alibi_slopes, varlen=packed)
@@ -129,19 +128,22 @@ def _traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mas
     return (out, lse) if return_lse else out
 
 
-def _offsets(name: str, cu: torch.Tensor, total: int, device) -> list[int]:
-    """``cu`` as host ints, after checking it is what flash-attn takes: int32, 1-D, from 0 to ``total``,
-    non-decreasing, on q's device."""
-    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
-        raise InvalidInputError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets, got "
-                                f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}")
-    if cu.device != device:
-        raise InvalidInputError(f"{name} is on {cu.device} but q is on {device}")
-    bounds = cu.tolist()
-    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise InvalidInputError(f"{name} must go from 0 to the packed length {total} without decreasing, got "
-                                f"{bounds if len(bounds) <= 16 else bounds[:8] + ['...'] + bounds[-4:]}")
-    return bounds
+def _offsets(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, device) -> tuple[list, list]:
+    """Both offsets as host ints (one device-to-host copy), after checking they are what flash-attn takes: int32,
+    1-D, from 0 to the packed length, non-decreasing, on q's device."""
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+            raise InvalidInputError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets, got "
+                                    f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}")
+        if cu.device != device:
+            raise InvalidInputError(f"{name} is on {cu.device} but q is on {device}")
+    both = torch.cat((cu_q, cu_k)).tolist()
+    out = both[:cu_q.numel()], both[cu_q.numel():]
+    for name, bounds, total in (("cu_seqlens_q", out[0], total_q), ("cu_seqlens_k", out[1], total_k)):
+        if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
+            raise InvalidInputError(f"{name} must go from 0 to the packed length {total} without decreasing, got "
+                                    f"{bounds if len(bounds) <= 16 else bounds[:8] + ['...'] + bounds[-4:]}")
+    return out
 
 
 def _check_max(name: str, value, bounds: list[int]) -> int:

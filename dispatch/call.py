@@ -35,6 +35,13 @@ class Varlen(NamedTuple):
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    host: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # the offsets as host ints, where already read
+
+    def bounds(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The offsets (q's, k's) as host ints: the copy the caller read, else read now (a device sync)."""
+        if self.host is not None:
+            return self.host
+        return tuple(self.cu_seqlens_q.tolist()), tuple(self.cu_seqlens_k.tolist())
 
 
 class Call(NamedTuple):

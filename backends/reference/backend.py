@@ -109,7 +109,7 @@ class ReferenceBackend(Backend):
 
 def _sequences(packed):
     """(sequence index, its query rows, its key rows) of a Varlen's sequences that have query rows."""
-    bounds_q, bounds_k = packed.cu_seqlens_q.tolist(), packed.cu_seqlens_k.tolist()
+    bounds_q, bounds_k = packed.bounds()
     for b in range(len(bounds_q) - 1):
         if bounds_q[b + 1] > bounds_q[b]:
             yield b, slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])

@@ -111,7 +111,7 @@ class SdpaBackend(Backend):
         autograd records the copies, so gradients reach every sequence."""
         q, v = call.q, call.v
         out = q.new_zeros((1, q.shape[2], q.shape[1], v.shape[3])).transpose(1, 2)  # (total_q, heads, dv) memory
-        bounds_q, bounds_k = call.varlen.cu_seqlens_q.tolist(), call.varlen.cu_seqlens_k.tolist()
+        bounds_q, bounds_k = call.varlen.bounds()
         for b in range(len(bounds_q) - 1):
             rows, keys = slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])
             if rows.stop > rows.start and keys.stop > keys.start:
