@@ -222,9 +222,15 @@ def test_a_bad_softcap_is_named(bad):
 
 def test_softcap_is_served_where_declared_and_refused_with_the_reason_elsewhere():
     d = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, softcap=50.0, needs_grad=True)
-    assert (d.forward.backend, d.backward.backend) == ("triton_fa2", "triton_fa2") and d.forward.variant.softcap
-    for name in ("cute_sm90", "sdpa"):
-        assert "softcap is not supported" in d.forward.reasons_of(name)
+    # cute_sm90's forward has a SOFTCAP kernel, its backward does not: triton_fa2's runs from the saved LSE
+    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "triton_fa2")
+    assert d.forward.variant.softcap and d.backward.variant.softcap and "+softcap" in d.forward.describe()
+    assert "its backward has no sliding window or softcap" in " ".join(d.backward.reasons_of("cute_sm90"))
+    assert "softcap is not supported" in d.forward.reasons_of("sdpa")
+    fp8 = explain(device="H100", dtype="fp8", head_dim=128, seqlen_q=4096, softcap=50.0)
+    assert "its fp8 kernel has no sliding window or softcap" in " ".join(fp8.forward.reasons_of("cute_sm90"))
+    b200 = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=4096, softcap=50.0)
+    assert "softcap is not supported" in b200.forward.reasons_of("cute_sm100")
     assert "softcap" in d.problem.describe()
     cpu = explain(device="cpu", dtype="fp32", head_dim=64, seqlen_q=100, softcap=50.0)
     assert cpu.forward.backend == "reference"

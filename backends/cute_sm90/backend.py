@@ -30,22 +30,47 @@ from .v_layout import aot_build, prepare_v_fp8
 @dataclasses.dataclass(frozen=True)
 class Sm90Variant(CuteVariant):
     """One compiled cute_sm90 forward: a tile of the table for an input kind and head dim, compiled for a
-    dtype and causality (``kernel``: the compiled callable)."""
+    dtype and causality (``kernel``: the compiled callable); ``window`` and ``softcap`` compile the template's
+    WINDOW and SOFTCAP in (the window and the cap themselves are the call's)."""
 
     tile: variants.Sm90FwdTile
     kind: str
     head_dim: int
     dtype: str
     causal: bool
+    window: bool = False
+    softcap: bool = False
     compile_module = cc
 
     @property
     def module(self) -> str:
-        return self.tile.module(self.head_dim, self.kind)
+        return (self.tile.module(self.head_dim, self.kind) + ("_win" if self.window else "")
+                + ("_cap" if self.softcap else ""))
 
     @property
     def source(self) -> Source:
-        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind), self.module)
+        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind, self.window, self.softcap), self.module)
+
+    def describe(self) -> str:
+        features = [f for f, on in (("window", self.window), ("softcap", self.softcap)) if on]
+        return super().describe() + (f" +{'+'.join(features)}" if features else "")
+
+
+# The score features the forward compiles in (variants(features=...) builds them; backward and FP8 have none)
+FORWARD_FEATURES = frozenset({"window", "softcap"})
+
+
+def score_arguments(variant: Sm90Variant, call, scale: float) -> tuple[tuple, float]:
+    """(the kernel's trailing WINDOW/SOFTCAP arguments, the scale_log2 it takes) for ``call``: the window bounds
+    with causal folded in (unbounded: seqlen_q + seqlen_k, which no row reaches), and with a softcap the pre-tanh
+    scale / softcap and softcap * log2(e) in place of scale * log2(e)."""
+    extra = ()
+    if variant.window:
+        unbounded = call.q.shape[2] + call.k.shape[2]
+        extra = tuple(unbounded if bound < 0 else bound for bound in call.mask.window_bounds)
+    if variant.softcap:
+        return (*extra, scale / call.softcap), call.softcap * LOG2_E
+    return extra, scale * LOG2_E
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,20 +80,23 @@ def max_ctas(device: torch.device) -> int:
 
 
 def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2: float, *, causal: bool,
-               descale=None, ctas: int | None = None, plan: tail_split.Plan | None = None) -> tail_split.Plan | None:
+               descale=None, ctas: int | None = None, plan: tail_split.Plan | None = None,
+               scores: tuple = ()) -> tail_split.Plan | None:
     """Call a compiled kernel of ``tile`` with the arguments its signature takes: ``v`` as the kernel reads it
     (FP8: prepare_v_fp8's V^T), ``descale`` (3, batch, heads_kv) for FP8; ``ctas`` for a persistent kernel
     (default: the SM count). With ``tile.tail_split`` and no causal mask, ``plan`` (default:
     tail_split.plan for this shape) says which tiles run as pieces; their combine runs after the kernel.
-    Returns the plan that ran (None: the kernel takes none)."""
+    ``scores``: a WINDOW/SOFTCAP kernel's trailing arguments (score_arguments; such a kernel runs every tile
+    whole). Returns the plan that ran (None: the kernel takes none)."""
     if ctas is None:
         ctas = max_ctas(q.device)
     if not tile.tail_split:  # (the launch path of every call: kept to one branch and the call)
         if descale is None:
-            kernel(q, k, v, out, lse, scale_log2, ctas)
+            kernel(q, k, v, out, lse, scale_log2, ctas, *scores)
         else:
-            kernel(q, k, v, out, lse, descale, scale_log2, ctas)
+            kernel(q, k, v, out, lse, descale, scale_log2, ctas, *scores)
         return None
+    causal = causal or bool(scores)  # (a softcap-only kernel could split; it runs whole, as a windowed one must)
     head = (q, k, v, out, lse) if descale is None else (q, k, v, out, lse, descale)
     b, h, n_q, d = q.shape
     tiles, key_blocks = tail_split.counts(tile, b, h, n_q, k.shape[2])
@@ -80,7 +108,7 @@ def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2
             raise ValueError(f"tail split plan {plan} cannot run this call ({tiles} tiles of {key_blocks} key blocks): "
                              + "; ".join(reasons))
     o_part, lse_part = tail_split.workspaces(plan, tile.tile_m, d, q.device)
-    kernel(*head, scale_log2, ctas, o_part, lse_part, plan.full_tiles, plan.pieces)
+    kernel(*head, scale_log2, ctas, o_part, lse_part, plan.full_tiles, plan.pieces, *scores)
     if plan.tail_tiles:
         tail_split.combine(plan, o_part, lse_part, out, lse, tile.tile_m)
     return plan
@@ -111,6 +139,8 @@ class CuteSm90Backend(Backend):
         max_head_dim=max(variants.HEAD_DIMS),
         dropout=False,  # no Philox mask in the kernel; sdpa serves dropout
         empty=False,  # zero-sized grids; reference serves empty problems
+        window=True,  # WINDOW forward kernels (16-bit); the backward refuses it (_plan_backward)
+        softcap=True,  # SOFTCAP forward kernels (16-bit); likewise
         nondeterministic_backward="dQ is summed by TMA reduce-add in the order the CTAs reach it",
         deterministic_backward="dQ summed in key-block order",
     )
@@ -123,11 +153,14 @@ class CuteSm90Backend(Backend):
         if problem.head_dim_v != problem.head_dim:
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         kind = cc.KIND[problem.dtype]
+        window, softcap = problem.mask.windowed, bool(problem.softcap)
+        if kind != "16bit" and (window or softcap):
+            reasons.append(f"its {problem.dtype} kernel has no sliding window or softcap (the 16-bit ones do)")
         tile, why = variants.pick(kind, problem.head_dim)
         reasons += why
         if reasons:
             return None, reasons
-        return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal), []
+        return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal, window, softcap), []
 
     def _plan_backward(self, problem: Problem) -> Planned:
         reasons = []
@@ -135,6 +168,8 @@ class CuteSm90Backend(Backend):
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         if cc.KIND[problem.dtype] != "16bit":
             reasons.append(f"the backward takes fp16 or bf16, not {problem.dtype}")
+        if problem.mask.windowed or problem.softcap:
+            reasons.append("its backward has no sliding window or softcap (the forward has)")
         tile, why = bwd_variants.pick(problem.head_dim)
         reasons += why
         if reasons:
@@ -176,6 +211,9 @@ class CuteSm90Backend(Backend):
                         raise ValueError("cute_sm90: " + "; ".join(why))  # the reason already says "head_dim N"
                     continue
                 out += [Sm90Variant(tile, cc.KIND[dtype], head_dim, dtype, flag) for flag in causal]
+                if cc.KIND[dtype] == "16bit":  # the feature sets it compiles in (build --features)
+                    out += [Sm90Variant(tile, "16bit", head_dim, dtype, flag, "window" in kinds, "softcap" in kinds)
+                            for kinds in features if kinds and kinds <= FORWARD_FEATURES for flag in causal]
                 back, _ = bwd_variants.pick(head_dim) if cc.KIND[dtype] == "16bit" else (None, ())
                 if back is not None:
                     modes = (False, True) if deterministic else (False,)
@@ -191,7 +229,7 @@ class CuteSm90Backend(Backend):
         q, scale = nonnegative_scale(call.q, call.scale)
         q, k = tma_ready(q), tma_ready(call.k)
         lse = lse_like(q.shape[:3], q.device)
-        scale_log2 = scale * LOG2_E
+        scores, scale_log2 = score_arguments(variant, call, scale) if variant.window or variant.softcap else ((), scale * LOG2_E)
         if variant.dtype == "fp8":
             out = torch.empty_like(q, dtype=torch.bfloat16)
             descale = call.descale
@@ -202,7 +240,8 @@ class CuteSm90Backend(Backend):
                        causal=variant.causal, descale=descale)
         else:
             out = torch.empty_like(q)  # q's strides when q is dense, else contiguous: TMA-ready either way
-            run_kernel(variant.kernel, variant.tile, q, k, tma_ready(call.v), out, lse, scale_log2, causal=variant.causal)
+            run_kernel(variant.kernel, variant.tile, q, k, tma_ready(call.v), out, lse, scale_log2, causal=variant.causal,
+                       scores=scores)
         return out, lse
 
     def backward(self, variant: bwd.Sm90BwdVariant, call, out, lse, dout, dlse=None):

@@ -88,13 +88,13 @@ def elements(dtype: str, arch: str):
 
 
 def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = False,
-                   tail_split: bool = False):
+                   tail_split: bool = False, window: bool = False, softcap: bool = False):
     """Fake arguments for cute.compile: q, k, v, out (batch, heads, seqlen, head_dim) with symbolic sizes
     and strides (16-byte aligned rows, as TMA needs), fp32 LSE (batch, heads, seqlen), then for FP8
     the descales (3, batch, heads_kv) in fp32, then scale_log2, with ``takes_max_ctas`` the Int32 CTA count a
     persistent kernel may launch (cute_sm90's take it; pass the SM count), with ``tail_split`` the pieces'
     fp32 workspaces (pieces, tile_m, head_dim) and (pieces, tile_m) and two Int32 counts (see cute_sm90/tail_split.py),
-    and the stream. FP8's v is V^T (batch, heads_kv, head_dim, seqlen_k padded to 32): see cute_sm90/v_layout.py."""
+    with ``window`` the Int32 window bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, and the stream. FP8's v is V^T (batch, heads_kv, head_dim, seqlen_k padded to 32): see cute_sm90/v_layout.py."""
     cutlass = import_cutlass(arch)
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -118,7 +118,8 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
                                   assumed_align=16),
                  make_fake_tensor(cutlass.Float32, (pieces, rows), (cute.sym_int64(), 1), assumed_align=4),
                  cutlass.Int32(1), cutlass.Int32(1))
-    tail = (cutlass.Float32(1.0), *max_ctas, *split, make_fake_stream(use_tvm_ffi_env_stream=True))
+    scores = ((cutlass.Int32(1), cutlass.Int32(1)) if window else ()) + ((cutlass.Float32(1.0),) if softcap else ())
+    tail = (cutlass.Float32(1.0), *max_ctas, *split, *scores, make_fake_stream(use_tvm_ffi_env_stream=True))
     if dtype != "fp8":
         return (q, k, tensor(element, batch, heads_kv, seqlen_k, head_dim), out, lse, *tail)
     v_t = tensor(element, batch, heads_kv, head_dim, seqlen_v)
@@ -130,8 +131,9 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
 def compile_arguments(module, dtype: str, causal: bool, arch: str):
     """runtime.cute's factory for these backends' kernels: the generated module's Forward for (dtype, causal)
     and the fake arguments it is traced with (the module says whether it takes the CTA count and the tail
-    split's workspaces: MAX_CTAS_ARGUMENT, TAIL_SPLIT)."""
+    split's workspaces and the score features' values: MAX_CTAS_ARGUMENT, TAIL_SPLIT, WINDOW, SOFTCAP)."""
     element, out_element = elements(dtype, arch)
     args = fake_arguments(dtype, getattr(module, "INPUT_HEAD_DIM", module.HEAD_DIM), arch, takes_max_ctas=getattr(module, "MAX_CTAS_ARGUMENT", False),
-                          tail_split=getattr(module, "TAIL_SPLIT", False))
+                          tail_split=getattr(module, "TAIL_SPLIT", False), window=getattr(module, "WINDOW", False),
+                          softcap=getattr(module, "SOFTCAP", False))
     return module.Forward(element, out_element, causal), args

@@ -1,6 +1,8 @@
-"""The mask rule (dispatch/mask.py) for CuTe-DSL kernels, written once: bottom-right aligned causal, query
-row i sees key j iff j <= i + seqlen_k - seqlen_q. Plain functions of DSL values: the kernels call them
-while cute.compile traces, so each call is the expression itself in the kernel's IR."""
+"""The mask rule (dispatch/mask.py) and the score cap for CuTe-DSL kernels, written once: bottom-right aligned
+causal, query row i sees key j iff j <= i + seqlen_k - seqlen_q; a sliding window (left, right) keeps
+i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; softcap turns a score s into
+softcap * tanh(scale * s / softcap). Plain functions of DSL values: the kernels call them while cute.compile traces,
+so each call is the expression itself in the kernel's IR."""
 
 
 def key_limit(row, seqlen_q, seqlen_k):
@@ -17,3 +19,24 @@ def diagonal(row, seqlen_q, seqlen_k):
 def first_row(key, seqlen_q, seqlen_k):
     """The first query row that sees ``key`` (the row whose diagonal it is; below 0: every row sees it)."""
     return key - seqlen_k + seqlen_q
+
+
+def window_key_limit(row, seqlen_q, seqlen_k, right):
+    """With a window, keys j < window_key_limit(row) are visible to query ``row`` (``right`` keys past its
+    diagonal; causal is right = 0; an unbounded right is passed as any value >= seqlen_k)."""
+    return row + 1 + seqlen_k - seqlen_q + right
+
+
+def window_first_key(row, seqlen_q, seqlen_k, left):
+    """With a window, the first key query ``row`` sees (``left`` keys before its diagonal; below 0: key 0; an
+    unbounded left is passed as any value >= seqlen_q + seqlen_k)."""
+    return row + seqlen_k - seqlen_q - left
+
+
+def capped(score, cap_scale):
+    """softcap's tanh(cap_scale * score), cap_scale = scale / softcap (the kernel multiplies by softcap * log2(e)
+    after it): tanh.approx.f32 (MUFU.TANH, max relative error about 2^-11, below bf16's and fp16's rounding of
+    the inputs)."""
+    import cutlass.cute as cute
+
+    return cute.math.tanh(score * cap_scale, approx=True)

@@ -88,6 +88,38 @@ def test_disk_cache_builds_once_and_keys_on_the_variant(tmp_path):
     assert cute.cache_path(Sm90Variant(other_tile, other_kind, other_dim, "bf16", False).build, tmp_path) != path
 
 
+# `attnforge build --features window,softcap,window+softcap` for bf16: the WINDOW and SOFTCAP forward kernels
+FEATURES = [v for v in registered()["cute_sm90"].variants(dtypes=("bf16",), head_dims=(64, 128, 256), features=(
+    frozenset({"window"}), frozenset({"softcap"}), frozenset({"window", "softcap"}))) if isinstance(v, Sm90Variant)
+    and (v.window or v.softcap)]
+# d=64's tile (3 consumer warpgroups at 128 registers) spills a little more with a feature's registers: measured
+# here (stack bytes of the compiled kernel), 136 at most (window + softcap), against 16 without; not yet timed
+FEATURE_SPILL_BYTES = {64: 136}
+
+
+def test_build_features_give_the_forward_feature_kernels_and_no_fp8_or_backward_ones():
+    assert {(v.window, v.softcap) for v in FEATURES} == {(True, False), (False, True), (True, True)}
+    assert len(FEATURES) == 3 * 3 * 2  # head dims x feature sets x causality
+    fp8 = registered()["cute_sm90"].variants(dtypes=("fp8",), features=(frozenset({"window"}),))
+    assert not any(v.window for v in fp8)
+
+
+@pytest.mark.parametrize("variant", FEATURES, ids=[v.name for v in FEATURES])
+def test_feature_variant_compiles_with_one_tanh_per_score_and_no_more_spills(tmp_path, variant):
+    cute.compile_to(variant.build, str(tmp_path))
+    (cubin,) = tmp_path.glob("*.sm_90a.cubin")
+    sass = cuobjdump("-sass", str(cubin))
+    assert re.search(r"\bHGMMA\.", sass) and re.search(r"\bUTMALDG\.", sass)
+    # SOFTCAP: tanh.approx (MUFU.TANH) once per score of each compiled softmax copy (the first block, then one per
+    # key-block loop: non-causal one, causal two, a window three: right edge, inside, left edge); none without it
+    copies = 4 if variant.window else (3 if variant.causal else 2)
+    tanh = len(re.findall(r"MUFU\.TANH", sass))
+    assert tanh == (copies * variant.tile.tile_n // 2 if variant.softcap else 0), tanh
+    usage = resources(cubin.read_bytes())
+    allowed = max(variant.tile.accepted_spill_bytes, FEATURE_SPILL_BYTES.get(variant.head_dim, 0))
+    assert usage["stack_bytes"] <= allowed and usage["local_bytes"] == 0, usage
+
+
 @pytest.mark.parametrize("variant", BWD_VARIANTS + DETERMINISTIC, ids=[v.name for v in BWD_VARIANTS + DETERMINISTIC])
 def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_path, variant):
     tile, head_dim = variant.tile, variant.head_dim

@@ -18,7 +18,10 @@ def planned(dtype: str, head_dim: int, causal: bool):
     """The Sm90Variant the backend runs for (dtype, head_dim, causal): the table's pick, as the planner makes it."""
     from attnforge.dispatch import registered
 
-    (variant,) = registered()["cute_sm90"].variants(dtypes=(dtype,), head_dims=(head_dim,), causal=(causal,), strict=True)
+    from attnforge.backends.cute_sm90.backend import Sm90Variant
+
+    built = registered()["cute_sm90"].variants(dtypes=(dtype,), head_dims=(head_dim,), causal=(causal,), strict=True)
+    (variant,) = [v for v in built if isinstance(v, Sm90Variant)]  # the backward's variants come with it
     return variant
 
 

@@ -1,0 +1,71 @@
+"""On an H100/H200: cute_sm90's WINDOW and SOFTCAP forward kernels through attention(backend="cute_sm90") against
+fp64 math, outputs poisoned (NaN) before the call so an element no CTA writes shows: windows on one and both sides,
+with and without causal, Nq != Nk both ways (rows that see no key: 0 out, LSE -inf), GQA, odd lengths; the softcap
+alone and with a window; the backward (triton_fa2's, from this forward's LSE) on one case per feature."""
+
+import math
+
+import pytest
+import torch
+
+import attnforge
+from attnforge.api import _causal_mask
+from attnforge.testing import assert_close, assert_grads_close, needs_gpu, oracle, peer_error
+
+pytestmark = [pytest.mark.gpu, needs_gpu((9, 0), "sm90")]
+
+# (batch, heads_q, heads_kv, seqlen_q, seqlen_k, causal, window, softcap)
+CASES = [
+    (2, 4, 2, 1023, 1023, True, (255, -1), 0.0),    # Mistral's: causal + a left window, edges inside blocks
+    (1, 4, 4, 113, 1023, False, (17, 17), 0.0),     # two-sided, Nq < Nk (bottom-right): most key blocks skipped
+    (1, 4, 1, 1023, 113, True, (37, -1), 0.0),      # Nq > Nk: the first rows see no key
+    (1, 2, 2, 777, 4099, False, (-1, 300), 0.0),    # right bound only
+    (1, 2, 2, 4099, 4099, True, (4096, -1), 0.0),   # a window wider than most rows' history
+    (2, 4, 2, 1023, 1023, True, (-1, -1), 30.0),    # Gemma 2's softcap, causal
+    (1, 4, 4, 300, 700, False, (-1, -1), 5.0),      # a tight cap (scores often saturate), Nq != Nk
+    (2, 4, 2, 1023, 1023, True, (127, -1), 50.0),   # both
+]
+# every kernel family of the table: d=64 (3 consumer warpgroups), 128 (persistent tile, run one CTA per tile here),
+# 256 (64-key blocks), 96 (a head dim between)
+HEAD_DIMS = [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.bfloat16, 256), (torch.bfloat16, 96), (torch.float16, 128)]
+
+
+@pytest.mark.parametrize("dtype, head_dim", HEAD_DIMS, ids=[f"{'bf16' if t == torch.bfloat16 else 'fp16'}_d{d}"
+                                                             for t, d in HEAD_DIMS])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_window_and_softcap_forward_match_fp64(case, dtype, head_dim, gen, poisoned_empty):
+    b, hq, hkv, nq, nk, causal, window, cap = case
+    q, k, v = (torch.randn(b, h, n, head_dim, generator=gen).to("cuda", dtype) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    out, lse = attnforge.attention(q, k, v, causal=causal, window_size=window, softcap=cap, return_lse=True,
+                                   backend="cute_sm90")
+    variant = attnforge.last_decision().forward.variant
+    assert (variant.window, variant.softcap) == (window != (-1, -1), cap > 0), variant
+    assert not out.isnan().any() and not lse.isnan().any(), "an unwritten element (or a wrong one)"
+    mask = _causal_mask(causal, window)
+    ref, ref_lse, _ = oracle(q, k, v, mask=mask, softcap=cap)
+    peer, _ = peer_error(q, k, v, mask=mask, softcap=cap)
+    ulps = 4 * math.sqrt(max(nq, nk, head_dim))
+    assert_close("out", out, ref, peer, ulps=ulps)
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse[~finite], ref_lse[~finite].float()), "rows that see no key: LSE -inf"
+    assert torch.equal(out[~finite], torch.zeros_like(out[~finite])), "rows that see no key: output 0"
+    assert_close("lse", lse[finite], ref_lse[finite], ref_lse[finite].float(), ulps=ulps)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[7]], ids=str)
+def test_training_runs_this_forward_and_triton_fa2s_backward(case, gen, poisoned_empty):
+    b, hq, hkv, nq, nk, causal, window, cap = case
+    q, k, v = (torch.randn(b, h, n, 128, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+               for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    out = attnforge.attention(q, k, v, causal=causal, window_size=window, softcap=cap)
+    decision = attnforge.last_decision()
+    assert (decision.forward.backend, decision.backward.backend) == ("cute_sm90", "triton_fa2"), decision
+    dout = torch.randn(out.shape, generator=gen).to("cuda", torch.bfloat16)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert not any(g.isnan().any() for g in grads)
+    mask = _causal_mask(causal, window)
+    ref, _, ref_grads = oracle(q, k, v, mask=mask, softcap=cap, dout=dout)
+    peer, peer_grads = peer_error(q, k, v, mask=mask, softcap=cap, dout=dout)
+    ulps = 4 * math.sqrt(max(nq, nk, 128))
+    assert_close("out", out, ref, peer, ulps=ulps)
+    assert_grads_close(grads, ref_grads, peer_grads, q, k, v, dout, mask, 128 ** -0.5, 2 * ulps)
