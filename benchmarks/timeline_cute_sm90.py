@@ -56,16 +56,17 @@ def _trace_start(trace_m: int, trace_h: int, condition: str, base: str) -> str:
 
 def patch(source: str, trace_m: int, trace_h: int) -> str:
     """Add the clock reads to a rendered cute_sm90 module (each replacement must apply exactly once)."""
-    def sub(old, new):
+    def sub(old, new, count=1):
         nonlocal source
-        assert source.count(old) == 1, f"patch does not apply: {old[:60]!r}"
+        assert source.count(old) == count, f"patch does not apply: {old[:60]!r}"
         source = source.replace(old, new)
 
     sub("        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)\n",
         "        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)\n"
         + _trace_start(trace_m, trace_h, "tidx % THREADS_PER_WG == 0", f"wg * {SLOTS}"))
-    for flag in ("True", "False"):
-        sub(f"scale_log2, wg, {flag})\n", f"scale_log2, wg, {flag}, mLSE, trace_base, t0)\n")
+    # the masked step is called from two loops: the right edge's and (with WINDOW, traced too) the left edge's
+    for flag, calls in (("True", 2), ("False", 1)):
+        sub(f"scale_log2, wg, scores, {flag})\n", f"scale_log2, wg, scores, {flag}, mLSE, trace_base, t0)\n", calls)
     sub("masked: cutlass.Constexpr):\n", "masked: cutlass.Constexpr, mLSE, trace_base, t0):\n")
     # the consumer's nine points, each read just before the line named (event = position in this list)
     marks = ["        pipe_k.consumer_wait(state)\n        if const_expr(PINGPONG):",
@@ -73,7 +74,7 @@ def patch(source: str, trace_m: int, trace_h: int) -> str:
              "        pipe_v.consumer_wait(v_state)\n",
              "        self.pv_gemm(tiled_mma_pv, acc_O, rP, tOrV[None, None, None, v_state.index], sums)\n",
              "        warpgroup.wait_group(1)\n",
-             "        pipe_k.consumer_release(state)\n        if const_expr(masked):",
+             "        pipe_k.consumer_release(state)\n        self.cap(",
              "        warpgroup.wait_group(0)\n        pipe_v.consumer_release(v_state)\n",
              "        pipe_v.consumer_release(v_state)\n        self.to_p_operand",
              "        return state\n"]
@@ -85,12 +86,12 @@ def patch(source: str, trace_m: int, trace_h: int) -> str:
         f"            mLSE[trace_base + n_block * {EVENTS} + event, 0, 0] = Float32(cute.arch.clock() - t0)\n\n"
         "    @cute.jit\n    def to_p_operand(")
     # the producer (one thread): its own base after the consumer warpgroups'; mLSE passed down through load_tile
-    sub("                  q_state, kv_state, seqlen_q, seqlen_k, split):\n",
-        "                  q_state, kv_state, seqlen_q, seqlen_k, split, mLSE):\n")
-    sub("seqlen_q, seqlen_k,\n                                                           split)\n",
-        "seqlen_q, seqlen_k,\n                                                           split, mLSE)\n")
-    sub("pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k, split)\n",
-        "pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k, split, mLSE)\n")
+    sub("                  q_state, kv_state, seqlen_q, seqlen_k, split, scores):\n",
+        "                  q_state, kv_state, seqlen_q, seqlen_k, split, scores, mLSE):\n")
+    sub("seqlen_q, seqlen_k,\n                                                           split, scores)\n",
+        "seqlen_q, seqlen_k,\n                                                           split, scores, mLSE)\n")
+    sub("pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k, split, scores)\n",
+        "pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k, split, scores, mLSE)\n")
     sub("batch, n_block_min, n_block_max)\n", "batch, n_block_min, n_block_max, mLSE)\n")
     sub("             m_block, head, head_kv, batch, n_block_min, n_block_max):\n",
         "             m_block, head, head_kv, batch, n_block_min, n_block_max, mLSE):\n")

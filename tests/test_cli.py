@@ -188,7 +188,7 @@ def test_explain_takes_a_softcap(capsys):
     assert main(["explain", "--device", "H100", "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "4096",
                  "--softcap", "50", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["forward"]["backend"] == "triton_fa2" and "softcap" in d["forward"]["variant"]
+    assert d["forward"]["backend"] == "cute_sm90" and "softcap" in d["forward"]["variant"]
 
 
 def test_explain_takes_alibi(capsys):

@@ -106,7 +106,7 @@ def test_the_kernels_with_a_window_serve_it_and_the_others_say_why_not(device, f
     assert d.backward.variant.local and d.backward.variant.name.endswith(".causal.local")
     assert "+window" in d.forward.describe() and "+window" in d.backward.describe()
     if fwd == "cute_sm90":
-        assert d.forward.variant.name.endswith("_win.bf16.causal")
+        assert d.forward.variant.name.endswith("_window.bf16.causal")
         assert "its backward has no sliding window" in " ".join(d.backward.reasons_of("cute_sm90"))
     elif d.preferred != fwd:  # cute_sm100 has no window yet
         assert "a sliding window is not supported" in d.forward.reasons_of(d.preferred)

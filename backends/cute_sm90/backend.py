@@ -44,8 +44,8 @@ class Sm90Variant(CuteVariant):
 
     @property
     def module(self) -> str:
-        return (self.tile.module(self.head_dim, self.kind) + ("_win" if self.window else "")
-                + ("_cap" if self.softcap else ""))
+        return (self.tile.module(self.head_dim, self.kind) + ("_window" if self.window else "")
+                + ("_softcap" if self.softcap else ""))
 
     @property
     def source(self) -> Source:
