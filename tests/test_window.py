@@ -91,9 +91,9 @@ def test_a_bad_window_size_is_named(bad, gen):
         attnforge.attention(q, k, v, window_size=bad)
 
 
-# (device, forward backend, backward backend): cute_sm90 has WINDOW forward kernels and no windowed backward;
-# cute_sm100 has no window yet
-WINDOW_SERVED = [("H100", "cute_sm90", "triton_fa2"), ("B200", "triton_fa2", "triton_fa2"),
+# (device, forward backend, backward backend): cute_sm90 and cute_sm100 have WINDOW forward kernels and no windowed
+# backward
+WINDOW_SERVED = [("H100", "cute_sm90", "triton_fa2"), ("B200", "cute_sm100", "triton_fa2"),
                  ("A100", "triton_fa2", "triton_fa2"), ("MI300X", "triton_rocm", "triton_rocm")]
 
 
@@ -102,14 +102,12 @@ def test_the_kernels_with_a_window_serve_it_and_the_others_say_why_not(device, f
     d = attnforge.explain(device=device, dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, window_size=(1024, 0),
                           needs_grad=True)
     assert (d.forward.backend, d.backward.backend) == (fwd, bwd)
-    assert d.forward.variant.window if fwd == "cute_sm90" else d.forward.variant.local
+    assert d.forward.variant.window if fwd.startswith("cute") else d.forward.variant.local
     assert d.backward.variant.local and d.backward.variant.name.endswith(".causal.local")
     assert "+window" in d.forward.describe() and "+window" in d.backward.describe()
     if fwd == "cute_sm90":
         assert d.forward.variant.name.endswith("_window.bf16.causal")
         assert "its backward has no sliding window" in " ".join(d.backward.reasons_of("cute_sm90"))
-    elif d.preferred != fwd:  # cute_sm100 has no window yet
-        assert "a sliding window is not supported" in d.forward.reasons_of(d.preferred)
     else:
         assert not d.fallback
 

@@ -16,7 +16,7 @@ from ...codegen import Source
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
-from ..shared.cute_host import LOG2_E, CuteVariant, lse_like, stack_missing, tma_ready
+from ..shared.cute_host import CuteVariant, lse_like, score_arguments, stack_missing, tma_ready
 from ..shared.inputs import nonnegative_scale
 from . import compile as cc
 from . import variants
@@ -24,21 +24,31 @@ from . import variants
 
 @dataclasses.dataclass(frozen=True)
 class Sm100Variant(CuteVariant):
-    """One compiled cute_sm100 forward: a tile for a head dim, compiled for a dtype and causality."""
+    """One compiled cute_sm100 forward: a tile for a head dim, compiled for a dtype and causality; ``window`` and
+    ``softcap`` compile the template's WINDOW and SOFTCAP in (the window and the cap themselves are the call's)."""
 
     tile: variants.Sm100FwdTile
     head_dim: int
     dtype: str
     causal: bool
+    window: bool = False
+    softcap: bool = False
     compile_module = cc
 
     @property
     def module(self) -> str:
-        return self.tile.module(self.head_dim)
+        return self.tile.module(self.head_dim) + ("_window" if self.window else "") + ("_softcap" if self.softcap else "")
 
     @property
     def source(self) -> Source:
-        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim), self.module)
+        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.window, self.softcap), self.module)
+
+    def describe(self) -> str:
+        features = [f for f, on in (("window", self.window), ("softcap", self.softcap)) if on]
+        return super().describe() + (f" +{'+'.join(features)}" if features else "")
+
+
+FORWARD_FEATURES = frozenset({"window", "softcap"})  # what variants(features=...) compiles in
 
 
 class CuteSm100Backend(Backend):
@@ -52,6 +62,8 @@ class CuteSm100Backend(Backend):
         dropout=False,
         backward=False,  # triton_fa2's backward runs from this forward's LSE
         empty=False,
+        window=True,  # WINDOW kernels
+        softcap=True,  # SOFTCAP kernels
     )
 
     def available(self) -> list[str]:
@@ -65,7 +77,8 @@ class CuteSm100Backend(Backend):
         reasons += why
         if reasons:
             return None, reasons
-        return Sm100Variant(tile, problem.head_dim, problem.dtype, problem.causal), []
+        return Sm100Variant(tile, problem.head_dim, problem.dtype, problem.causal, problem.mask.windowed,
+                            bool(problem.softcap)), []
 
     def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
                  deterministic=False, features=()) -> list[Sm100Variant]:
@@ -82,6 +95,8 @@ class CuteSm100Backend(Backend):
                         raise ValueError("cute_sm100: " + "; ".join(why))  # the reason already says "head_dim N"
                     continue
                 out += [Sm100Variant(tile, head_dim, dtype, flag) for flag in causal]
+                out += [Sm100Variant(tile, head_dim, dtype, flag, "window" in kinds, "softcap" in kinds)
+                        for kinds in features if kinds and kinds <= FORWARD_FEATURES for flag in causal]
         return out
 
     def builds(self, variant: Sm100Variant) -> list:
@@ -92,5 +107,6 @@ class CuteSm100Backend(Backend):
         q, k, v = tma_ready(q), tma_ready(call.k), tma_ready(call.v)
         out = torch.empty_like(q)
         lse = lse_like(q.shape[:3], q.device)
-        variant.kernel(q, k, v, out, lse, scale * LOG2_E)
+        scores, scale_log2 = score_arguments(variant, call, scale)
+        variant.kernel(q, k, v, out, lse, scale_log2, *scores)
         return out, lse

@@ -19,7 +19,7 @@ from ...dispatch import costs as cost_model
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend, Planned, registered
 from ...dispatch.support import Support
-from ..shared.cute_host import LOG2_E, CuteVariant, lse_like, stack_missing, tma_ready
+from ..shared.cute_host import LOG2_E, CuteVariant, lse_like, score_arguments, stack_missing, tma_ready
 from ..shared.inputs import TINY_SCALE, nonnegative_scale
 from . import compile as cc
 from . import backward as bwd
@@ -58,19 +58,6 @@ class Sm90Variant(CuteVariant):
 
 # The score features the forward compiles in (variants(features=...) builds them; backward and FP8 have none)
 FORWARD_FEATURES = frozenset({"window", "softcap"})
-
-
-def score_arguments(variant: Sm90Variant, call, scale: float) -> tuple[tuple, float]:
-    """(the kernel's trailing WINDOW/SOFTCAP arguments, the scale_log2 it takes) for ``call``: the window bounds
-    with causal folded in (unbounded: seqlen_q + seqlen_k, which no row reaches), and with a softcap the pre-tanh
-    scale / softcap and softcap * log2(e) in place of scale * log2(e)."""
-    extra = ()
-    if variant.window:
-        unbounded = call.q.shape[2] + call.k.shape[2]
-        extra = tuple(unbounded if bound < 0 else bound for bound in call.mask.window_bounds)
-    if variant.softcap:
-        return (*extra, scale / call.softcap), call.softcap * LOG2_E
-    return extra, scale * LOG2_E
 
 
 @functools.lru_cache(maxsize=None)

@@ -52,6 +52,20 @@ class CuteVariant(Variant):
         return cute.compiled(self.build)
 
 
+def score_arguments(variant, call, scale: float) -> tuple[tuple, float]:
+    """(a forward kernel's trailing WINDOW/SOFTCAP arguments, the scale_log2 it takes) for ``call`` and a variant
+    with ``window`` and ``softcap`` flags: the window bounds with causal folded in (unbounded: seqlen_q + seqlen_k,
+    which no row reaches), and with a softcap the pre-tanh scale / softcap and softcap * log2(e) in place of
+    scale * log2(e)."""
+    extra = ()
+    if variant.window:
+        unbounded = call.q.shape[2] + call.k.shape[2]
+        extra = tuple(unbounded if bound < 0 else bound for bound in call.mask.window_bounds)
+    if variant.softcap:
+        return (*extra, scale / call.softcap), call.softcap * LOG2_E
+    return extra, scale * LOG2_E
+
+
 def stack_missing() -> list[str]:
     """The reason the CuTe-DSL backends cannot run in this process, if a package they need is missing."""
     missing = [pkg for mod, pkg in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"))

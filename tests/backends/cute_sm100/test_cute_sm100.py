@@ -70,3 +70,38 @@ def test_variant_compiles_for_sm100a_with_tcgen05_tma_and_tmem(tmp_path, variant
     assert all(seen[i] for i in ("UTCHMMA", "UTMALDG", "LDTM", "STTM", "UTCBAR")), seen
     usage = resources(cubin.read_bytes())
     assert usage["stack_bytes"] <= variant.tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage
+
+
+# `attnforge build --features window,softcap,window+softcap`: the WINDOW and SOFTCAP kernels, bf16
+FEATURES = [v for v in registered()["cute_sm100"].variants(dtypes=("bf16",), features=(
+    frozenset({"window"}), frozenset({"softcap"}), frozenset({"window", "softcap"}))) if v.window or v.softcap]
+
+
+def test_b200_takes_it_for_windows_and_softcap_and_says_why_not_for_sinks():
+    d = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=8192, causal=True, window_size=(1023, 0),
+                softcap=30.0, needs_grad=True)
+    assert d.forward.backend == "cute_sm100" and d.forward.variant.window and d.forward.variant.softcap
+    assert d.forward.variant.name.endswith("_window_softcap.bf16.causal")
+    assert d.backward.backend == "triton_fa2" and d.backward.variant.local and d.backward.variant.softcap
+    sinks = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=8192, sinks=True)
+    assert "attention sinks are not supported" in sinks.forward.reasons_of("cute_sm100")
+    assert {(v.window, v.softcap) for v in FEATURES} == {(True, False), (False, True), (True, True)}
+
+
+@pytest.mark.parametrize("variant", FEATURES, ids=[v.name for v in FEATURES])
+def test_feature_variant_compiles_for_sm100a_with_one_tanh_per_score(tmp_path, variant):
+    if any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")):
+        pytest.skip("nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
+    from attnforge.runtime import cute
+
+    cute._in_child(variant.build, "dump", str(tmp_path))  # (in a child process: see above)
+    (cubin,) = tmp_path.glob("*.sm_100a.cubin")
+    sass = cuobjdump("-sass", str(cubin))
+    seen = collections.Counter(re.findall(r"\b(UTCHMMA|UTMALDG|LDTM|STTM|UTCBAR)\b", sass))
+    assert all(seen[i] for i in ("UTCHMMA", "UTMALDG", "LDTM", "STTM", "UTCBAR")), seen
+    # SOFTCAP: tanh.approx (MUFU.TANH) once per score a softmax thread holds (its row of the block), once in the
+    # kernel's one key-block loop; none without it
+    tanh = len(re.findall(r"MUFU\.TANH", sass))
+    assert tanh == (variant.tile.tile_n if variant.softcap else 0), tanh
+    usage = resources(cubin.read_bytes())
+    assert usage["stack_bytes"] <= variant.tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage
