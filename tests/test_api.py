@@ -225,10 +225,10 @@ def test_softcap_is_served_where_declared_and_refused_with_the_reason_elsewhere(
     # cute_sm90's forward has a SOFTCAP kernel, its backward does not: triton_fa2's runs from the saved LSE
     assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "triton_fa2")
     assert d.forward.variant.softcap and d.backward.variant.softcap and "+softcap" in d.forward.describe()
-    assert "its backward has no sliding window or softcap" in " ".join(d.backward.reasons_of("cute_sm90"))
+    assert "its backward has no sliding window, softcap or sinks" in " ".join(d.backward.reasons_of("cute_sm90"))
     assert "softcap is not supported" in d.forward.reasons_of("sdpa")
     fp8 = explain(device="H100", dtype="fp8", head_dim=128, seqlen_q=4096, softcap=50.0)
-    assert "its fp8 kernel has no sliding window or softcap" in " ".join(fp8.forward.reasons_of("cute_sm90"))
+    assert "its fp8 kernel has no sliding window, softcap or sinks" in " ".join(fp8.forward.reasons_of("cute_sm90"))
     b200 = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=4096, softcap=50.0)
     assert b200.forward.backend == "cute_sm100" and b200.forward.variant.softcap
     assert "softcap" in d.problem.describe()
@@ -261,9 +261,12 @@ def test_bad_sinks_are_named(bad, match):
 
 def test_sinks_are_served_where_declared_and_refused_with_the_reason_elsewhere():
     d = explain(device="H100", dtype="bf16", head_dim=64, seqlen_q=4096, causal=True, sinks=True, needs_grad=True)
-    assert (d.forward.backend, d.backward.backend) == ("triton_fa2", "triton_fa2") and d.forward.variant.sinks
-    for name in ("cute_sm90", "sdpa"):
-        assert "attention sinks are not supported" in d.forward.reasons_of(name)
+    # cute_sm90's forward has a SINKS kernel; the backward is triton_fa2's (from the LSE, which counts the sink)
+    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "triton_fa2")
+    assert d.forward.variant.sinks and d.backward.variant.sinks and "+sinks" in d.forward.describe()
+    assert "attention sinks are not supported" in d.forward.reasons_of("sdpa")
+    a100 = explain(device="A100", dtype="bf16", head_dim=64, seqlen_q=4096, causal=True, sinks=True)
+    assert a100.forward.backend == "triton_fa2" and a100.forward.variant.sinks
     assert explain(device="cpu", dtype="fp32", head_dim=64, seqlen_q=100, sinks=True).forward.backend == "reference"
 
 

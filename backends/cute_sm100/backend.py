@@ -24,8 +24,8 @@ from . import variants
 
 @dataclasses.dataclass(frozen=True)
 class Sm100Variant(CuteVariant):
-    """One compiled cute_sm100 forward: a tile for a head dim, compiled for a dtype and causality; ``window`` and
-    ``softcap`` compile the template's WINDOW and SOFTCAP in (the window and the cap themselves are the call's)."""
+    """One compiled cute_sm100 forward: a tile for a head dim, compiled for a dtype and causality; ``window``,
+    ``softcap`` and ``sinks`` compile the template's WINDOW, SOFTCAP and SINKS in (their values are the call's)."""
 
     tile: variants.Sm100FwdTile
     head_dim: int
@@ -33,22 +33,26 @@ class Sm100Variant(CuteVariant):
     causal: bool
     window: bool = False
     softcap: bool = False
+    sinks: bool = False
     compile_module = cc
 
     @property
+    def features(self) -> tuple[str, ...]:
+        return tuple(f for f, on in (("window", self.window), ("softcap", self.softcap), ("sinks", self.sinks)) if on)
+
+    @property
     def module(self) -> str:
-        return self.tile.module(self.head_dim) + ("_window" if self.window else "") + ("_softcap" if self.softcap else "")
+        return self.tile.module(self.head_dim) + "".join(f"_{f}" for f in self.features)
 
     @property
     def source(self) -> Source:
-        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.window, self.softcap), self.module)
+        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.window, self.softcap, self.sinks), self.module)
 
     def describe(self) -> str:
-        features = [f for f, on in (("window", self.window), ("softcap", self.softcap)) if on]
-        return super().describe() + (f" +{'+'.join(features)}" if features else "")
+        return super().describe() + (f" +{'+'.join(self.features)}" if self.features else "")
 
 
-FORWARD_FEATURES = frozenset({"window", "softcap"})  # what variants(features=...) compiles in
+FORWARD_FEATURES = frozenset({"window", "softcap", "sinks"})  # what variants(features=...) compiles in
 
 
 class CuteSm100Backend(Backend):
@@ -64,6 +68,7 @@ class CuteSm100Backend(Backend):
         empty=False,
         window=True,  # WINDOW kernels
         softcap=True,  # SOFTCAP kernels
+        sinks=True,  # SINKS kernels (dsinks comes from the output and LSE)
     )
 
     def available(self) -> list[str]:
@@ -78,7 +83,7 @@ class CuteSm100Backend(Backend):
         if reasons:
             return None, reasons
         return Sm100Variant(tile, problem.head_dim, problem.dtype, problem.causal, problem.mask.windowed,
-                            bool(problem.softcap)), []
+                            bool(problem.softcap), bool(problem.sinks)), []
 
     def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
                  deterministic=False, features=()) -> list[Sm100Variant]:
@@ -95,7 +100,7 @@ class CuteSm100Backend(Backend):
                         raise ValueError("cute_sm100: " + "; ".join(why))  # the reason already says "head_dim N"
                     continue
                 out += [Sm100Variant(tile, head_dim, dtype, flag) for flag in causal]
-                out += [Sm100Variant(tile, head_dim, dtype, flag, "window" in kinds, "softcap" in kinds)
+                out += [Sm100Variant(tile, head_dim, dtype, flag, "window" in kinds, "softcap" in kinds, "sinks" in kinds)
                         for kinds in features if kinds and kinds <= FORWARD_FEATURES for flag in causal]
         return out
 

@@ -30,8 +30,8 @@ from .v_layout import aot_build, prepare_v_fp8
 @dataclasses.dataclass(frozen=True)
 class Sm90Variant(CuteVariant):
     """One compiled cute_sm90 forward: a tile of the table for an input kind and head dim, compiled for a
-    dtype and causality (``kernel``: the compiled callable); ``window`` and ``softcap`` compile the template's
-    WINDOW and SOFTCAP in (the window and the cap themselves are the call's)."""
+    dtype and causality (``kernel``: the compiled callable); ``window``, ``softcap`` and ``sinks`` compile the
+    template's WINDOW, SOFTCAP and SINKS in (the window, the cap and the sink logits themselves are the call's)."""
 
     tile: variants.Sm90FwdTile
     kind: str
@@ -40,24 +40,28 @@ class Sm90Variant(CuteVariant):
     causal: bool
     window: bool = False
     softcap: bool = False
+    sinks: bool = False
     compile_module = cc
 
     @property
     def module(self) -> str:
-        return (self.tile.module(self.head_dim, self.kind) + ("_window" if self.window else "")
-                + ("_softcap" if self.softcap else ""))
+        return self.tile.module(self.head_dim, self.kind) + "".join(f"_{f}" for f in self.features)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        return tuple(f for f, on in (("window", self.window), ("softcap", self.softcap), ("sinks", self.sinks)) if on)
 
     @property
     def source(self) -> Source:
-        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind, self.window, self.softcap), self.module)
+        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind, self.window, self.softcap, self.sinks),
+                         self.module)
 
     def describe(self) -> str:
-        features = [f for f, on in (("window", self.window), ("softcap", self.softcap)) if on]
-        return super().describe() + (f" +{'+'.join(features)}" if features else "")
+        return super().describe() + (f" +{'+'.join(self.features)}" if self.features else "")
 
 
 # The score features the forward compiles in (variants(features=...) builds them; backward and FP8 have none)
-FORWARD_FEATURES = frozenset({"window", "softcap"})
+FORWARD_FEATURES = frozenset({"window", "softcap", "sinks"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,6 +132,7 @@ class CuteSm90Backend(Backend):
         empty=False,  # zero-sized grids; reference serves empty problems
         window=True,  # WINDOW forward kernels (16-bit); the backward refuses it (_plan_backward)
         softcap=True,  # SOFTCAP forward kernels (16-bit); likewise
+        sinks=True,  # SINKS forward kernels (16-bit); likewise (dsinks comes from the output and LSE)
         nondeterministic_backward="dQ is summed by TMA reduce-add in the order the CTAs reach it",
         deterministic_backward="dQ summed in key-block order",
     )
@@ -140,14 +145,14 @@ class CuteSm90Backend(Backend):
         if problem.head_dim_v != problem.head_dim:
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         kind = cc.KIND[problem.dtype]
-        window, softcap = problem.mask.windowed, bool(problem.softcap)
-        if kind != "16bit" and (window or softcap):
-            reasons.append(f"its {problem.dtype} kernel has no sliding window or softcap (the 16-bit ones do)")
+        window, softcap, sinks = problem.mask.windowed, bool(problem.softcap), bool(problem.sinks)
+        if kind != "16bit" and (window or softcap or sinks):
+            reasons.append(f"its {problem.dtype} kernel has no sliding window, softcap or sinks (the 16-bit ones do)")
         tile, why = variants.pick(kind, problem.head_dim)
         reasons += why
         if reasons:
             return None, reasons
-        return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal, window, softcap), []
+        return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal, window, softcap, sinks), []
 
     def _plan_backward(self, problem: Problem) -> Planned:
         reasons = []
@@ -155,8 +160,8 @@ class CuteSm90Backend(Backend):
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         if cc.KIND[problem.dtype] != "16bit":
             reasons.append(f"the backward takes fp16 or bf16, not {problem.dtype}")
-        if problem.mask.windowed or problem.softcap:
-            reasons.append("its backward has no sliding window or softcap (the forward has)")
+        if problem.mask.windowed or problem.softcap or problem.sinks:
+            reasons.append("its backward has no sliding window, softcap or sinks (the forward has)")
         tile, why = bwd_variants.pick(problem.head_dim)
         reasons += why
         if reasons:
@@ -199,7 +204,8 @@ class CuteSm90Backend(Backend):
                     continue
                 out += [Sm90Variant(tile, cc.KIND[dtype], head_dim, dtype, flag) for flag in causal]
                 if cc.KIND[dtype] == "16bit":  # the feature sets it compiles in (build --features)
-                    out += [Sm90Variant(tile, "16bit", head_dim, dtype, flag, "window" in kinds, "softcap" in kinds)
+                    out += [Sm90Variant(tile, "16bit", head_dim, dtype, flag, "window" in kinds, "softcap" in kinds,
+                                        "sinks" in kinds)
                             for kinds in features if kinds and kinds <= FORWARD_FEATURES for flag in causal]
                 back, _ = bwd_variants.pick(head_dim) if cc.KIND[dtype] == "16bit" else (None, ())
                 if back is not None:
@@ -216,7 +222,7 @@ class CuteSm90Backend(Backend):
         q, scale = nonnegative_scale(call.q, call.scale)
         q, k = tma_ready(q), tma_ready(call.k)
         lse = lse_like(q.shape[:3], q.device)
-        scores, scale_log2 = score_arguments(variant, call, scale) if variant.window or variant.softcap else ((), scale * LOG2_E)
+        scores, scale_log2 = score_arguments(variant, call, scale) if variant.features else ((), scale * LOG2_E)
         if variant.dtype == "fp8":
             out = torch.empty_like(q, dtype=torch.bfloat16)
             descale = call.descale

@@ -71,10 +71,12 @@ class Sm90FwdTile:
                 f"{'_rs' if self.row_sum_mma else ''}{'_ts' if self.tail_split else ''}"
                 f"{'_to' if self.tma_store else ''}")
 
-    def params(self, head_dim: int, kind: str = "16bit", window: bool = False, softcap: bool = False) -> dict:
-        """The template's parameters; ``window`` and ``softcap`` compile in its WINDOW and SOFTCAP."""
+    def params(self, head_dim: int, kind: str = "16bit", window: bool = False, softcap: bool = False,
+               sinks: bool = False) -> dict:
+        """The template's parameters; ``window``, ``softcap`` and ``sinks`` compile in its WINDOW, SOFTCAP, SINKS."""
         return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": padded_head_dim(head_dim, kind),
-                "kind": kind, "o_in_q": self.o_in_q(head_dim, kind), "window": window, "softcap": softcap}
+                "kind": kind, "o_in_q": self.o_in_q(head_dim, kind), "window": window, "softcap": softcap,
+                "sinks": sinks}
 
     def o_in_q(self, head_dim: int, kind: str = "16bit") -> bool:
         """Whether tma_store stages O in Q's buffer (O_IN_Q in the template): each consumer warpgroup writes its 64

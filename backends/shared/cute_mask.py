@@ -40,3 +40,19 @@ def capped(score, cap_scale):
     import cutlass.cute as cute
 
     return cute.math.tanh(score * cap_scale, approx=True)
+
+
+def with_sink(max_log2, total, sink_log2):
+    """A row's softmax with a sink logit (gpt-oss) counted in its denominator: from the row's running max and sum
+    of exp2 over its keys (``max_log2``, in log2 units, -inf for a row that saw no key; ``total`` relative to it)
+    and the sink in log2 units, returns (``keys``, ``total``, ``max``): the factor that moves the keys' sum (and
+    the unnormalised output) to the new max, the sum with the sink, and the new max. The output is then
+    acc * keys / total and the LSE (max + log2(total)) * ln 2, so a row that sees no key gives 0 and LSE = its
+    sink. (A sink of -inf with no key leaves a total of 0: the caller's "saw nothing" case.)"""
+    import cutlass
+    import cutlass.cute as cute
+
+    # clamped to the lowest finite float: with no key and a sink of -inf, exp2(-inf - it) is 0, not NaN
+    new_max = cute.arch.fmax(cute.arch.fmax(max_log2, sink_log2), cutlass.Float32(-3.4028234663852886e38))
+    keys = cute.math.exp2(max_log2 - new_max, fastmath=True)
+    return keys, total * keys + cute.math.exp2(sink_log2 - new_max, fastmath=True), new_max

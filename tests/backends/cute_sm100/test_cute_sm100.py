@@ -72,20 +72,23 @@ def test_variant_compiles_for_sm100a_with_tcgen05_tma_and_tmem(tmp_path, variant
     assert usage["stack_bytes"] <= variant.tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage
 
 
-# `attnforge build --features window,softcap,window+softcap`: the WINDOW and SOFTCAP kernels, bf16
+# `attnforge build --features window,softcap,sinks,window+softcap+sinks`: the feature kernels, bf16
 FEATURES = [v for v in registered()["cute_sm100"].variants(dtypes=("bf16",), features=(
-    frozenset({"window"}), frozenset({"softcap"}), frozenset({"window", "softcap"}))) if v.window or v.softcap]
+    frozenset({"window"}), frozenset({"softcap"}), frozenset({"sinks"}), frozenset({"window", "softcap", "sinks"})))
+    if v.features]
 
 
-def test_b200_takes_it_for_windows_and_softcap_and_says_why_not_for_sinks():
+def test_b200_takes_it_for_windows_softcap_and_sinks_and_says_why_not_for_alibi():
     d = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=8192, causal=True, window_size=(1023, 0),
                 softcap=30.0, needs_grad=True)
     assert d.forward.backend == "cute_sm100" and d.forward.variant.window and d.forward.variant.softcap
     assert d.forward.variant.name.endswith("_window_softcap.bf16.causal")
     assert d.backward.backend == "triton_fa2" and d.backward.variant.local and d.backward.variant.softcap
     sinks = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=8192, sinks=True)
-    assert "attention sinks are not supported" in sinks.forward.reasons_of("cute_sm100")
-    assert {(v.window, v.softcap) for v in FEATURES} == {(True, False), (False, True), (True, True)}
+    assert sinks.forward.backend == "cute_sm100" and sinks.forward.variant.sinks
+    alibi = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=8192, alibi=True)
+    assert "ALiBi is not supported" in alibi.forward.reasons_of("cute_sm100")
+    assert {v.features for v in FEATURES} == {("window",), ("softcap",), ("sinks",), ("window", "softcap", "sinks")}
 
 
 @pytest.mark.parametrize("variant", FEATURES, ids=[v.name for v in FEATURES])

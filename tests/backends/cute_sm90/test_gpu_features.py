@@ -1,7 +1,8 @@
-"""On an H100/H200: cute_sm90's WINDOW and SOFTCAP forward kernels through attention(backend="cute_sm90") against
+"""On an H100/H200: cute_sm90's WINDOW, SOFTCAP and SINKS forward kernels through attention(backend="cute_sm90") against
 fp64 math, outputs poisoned (NaN) before the call so an element no CTA writes shows: windows on one and both sides,
-with and without causal, Nq != Nk both ways (rows that see no key: 0 out, LSE -inf), GQA, odd lengths; the softcap
-alone and with a window; the backward (triton_fa2's, from this forward's LSE) on one case per feature."""
+with and without causal, Nq != Nk both ways (rows that see no key: 0 out, LSE -inf, or with sinks LSE = the sink),
+GQA, odd lengths; the softcap alone and with a window; sinks alone and with both; the backward (triton_fa2's, from
+this forward's LSE) on one case per feature."""
 
 import math
 
@@ -10,20 +11,23 @@ import torch
 
 import attnforge
 from attnforge.api import _causal_mask
-from attnforge.testing import assert_close, assert_grads_close, needs_gpu, oracle, peer_error
+from attnforge.testing import assert_close, assert_grads_close, needs_gpu, oracle, peer_error, sees
 
 pytestmark = [pytest.mark.gpu, needs_gpu((9, 0), "sm90")]
 
-# (batch, heads_q, heads_kv, seqlen_q, seqlen_k, causal, window, softcap)
+# (batch, heads_q, heads_kv, seqlen_q, seqlen_k, causal, window, softcap, sinks)
 CASES = [
-    (2, 4, 2, 1023, 1023, True, (255, -1), 0.0),    # Mistral's: causal + a left window, edges inside blocks
-    (1, 4, 4, 113, 1023, False, (17, 17), 0.0),     # two-sided, Nq < Nk (bottom-right): most key blocks skipped
-    (1, 4, 1, 1023, 113, True, (37, -1), 0.0),      # Nq > Nk: the first rows see no key
-    (1, 2, 2, 777, 4099, False, (-1, 300), 0.0),    # right bound only
-    (1, 2, 2, 4099, 4099, True, (4096, -1), 0.0),   # a window wider than most rows' history
-    (2, 4, 2, 1023, 1023, True, (-1, -1), 30.0),    # Gemma 2's softcap, causal
-    (1, 4, 4, 300, 700, False, (-1, -1), 5.0),      # a tight cap (scores often saturate), Nq != Nk
-    (2, 4, 2, 1023, 1023, True, (127, -1), 50.0),   # both
+    (2, 4, 2, 1023, 1023, True, (255, -1), 0.0, False),    # Mistral's: causal + a left window, edges inside blocks
+    (1, 4, 4, 113, 1023, False, (17, 17), 0.0, False),     # two-sided, Nq < Nk (bottom-right): most key blocks skipped
+    (1, 4, 1, 1023, 113, True, (37, -1), 0.0, False),      # Nq > Nk: the first rows see no key
+    (1, 2, 2, 777, 4099, False, (-1, 300), 0.0, False),    # right bound only
+    (1, 2, 2, 4099, 4099, True, (4096, -1), 0.0, False),   # a window wider than most rows' history
+    (2, 4, 2, 1023, 1023, True, (-1, -1), 30.0, False),    # Gemma 2's softcap, causal
+    (1, 4, 4, 300, 700, False, (-1, -1), 5.0, False),      # a tight cap (scores often saturate), Nq != Nk
+    (2, 4, 2, 1023, 1023, True, (127, -1), 50.0, False),   # both
+    (2, 8, 2, 1023, 1023, True, (-1, -1), 0.0, True),      # gpt-oss's sinks
+    (1, 4, 1, 1023, 113, True, (-1, -1), 0.0, True),       # sinks where the first rows see no key: LSE = the sink
+    (2, 4, 2, 1023, 1023, True, (127, -1), 30.0, True),    # all three
 ]
 # every kernel family of the table: d=64 (3 consumer warpgroups), 128 (persistent tile, run one CTA per tile here),
 # 256 (64-key blocks), 96 (a head dim between)
@@ -34,38 +38,50 @@ HEAD_DIMS = [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.bfloat16, 256),
                                                              for t, d in HEAD_DIMS])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_window_and_softcap_forward_match_fp64(case, dtype, head_dim, gen, poisoned_empty):
-    b, hq, hkv, nq, nk, causal, window, cap = case
+    b, hq, hkv, nq, nk, causal, window, cap, with_sinks = case
     q, k, v = (torch.randn(b, h, n, head_dim, generator=gen).to("cuda", dtype) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
-    out, lse = attnforge.attention(q, k, v, causal=causal, window_size=window, softcap=cap, return_lse=True,
-                                   backend="cute_sm90")
+    sinks = (torch.randn(hq, generator=gen) * 2).cuda() if with_sinks else None
+    out, lse = attnforge.attention(q, k, v, causal=causal, window_size=window, softcap=cap, sinks=sinks,
+                                   return_lse=True, backend="cute_sm90")
     variant = attnforge.last_decision().forward.variant
-    assert (variant.window, variant.softcap) == (window != (-1, -1), cap > 0), variant
+    assert (variant.window, variant.softcap, variant.sinks) == (window != (-1, -1), cap > 0, with_sinks), variant
     assert not out.isnan().any() and not lse.isnan().any(), "an unwritten element (or a wrong one)"
     mask = _causal_mask(causal, window)
-    ref, ref_lse, _ = oracle(q, k, v, mask=mask, softcap=cap)
-    peer, _ = peer_error(q, k, v, mask=mask, softcap=cap)
+    ref, ref_lse, _ = oracle(q, k, v, mask=mask, softcap=cap, sinks=sinks)
+    peer, _ = peer_error(q, k, v, mask=mask, softcap=cap, sinks=sinks)
     ulps = 4 * math.sqrt(max(nq, nk, head_dim))
     assert_close("out", out, ref, peer, ulps=ulps)
-    finite = ref_lse.isfinite()
-    assert torch.equal(lse[~finite], ref_lse[~finite].float()), "rows that see no key: LSE -inf"
-    assert torch.equal(out[~finite], torch.zeros_like(out[~finite])), "rows that see no key: output 0"
-    assert_close("lse", lse[finite], ref_lse[finite], ref_lse[finite].float(), ulps=ulps)
+    blind = (~sees(mask, nq, nk).any(-1)).cuda()  # rows the rule hides every key from
+    assert torch.equal(out[:, :, blind], torch.zeros_like(out[:, :, blind])), "rows that see no key: output 0"
+    if with_sinks:  # every LSE is finite, a blind row's is its sink
+        assert torch.equal(lse[:, :, blind], sinks[None, :, None].expand(b, hq, nq)[:, :, blind].float())
+        assert_close("lse", lse, ref_lse, ref_lse.float(), ulps=ulps)
+    else:
+        finite = ref_lse.isfinite()
+        assert torch.equal(lse[~finite], ref_lse[~finite].float()), "rows that see no key: LSE -inf"
+        assert_close("lse", lse[finite], ref_lse[finite], ref_lse[finite].float(), ulps=ulps)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[7]], ids=str)
+@pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[7], CASES[10]], ids=str)
 def test_training_runs_this_forward_and_triton_fa2s_backward(case, gen, poisoned_empty):
-    b, hq, hkv, nq, nk, causal, window, cap = case
+    b, hq, hkv, nq, nk, causal, window, cap, with_sinks = case
     q, k, v = (torch.randn(b, h, n, 128, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
                for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
-    out = attnforge.attention(q, k, v, causal=causal, window_size=window, softcap=cap)
+    sinks = (torch.randn(hq, generator=gen) * 2).cuda().requires_grad_() if with_sinks else None
+    out, lse = attnforge.attention(q, k, v, causal=causal, window_size=window, softcap=cap, sinks=sinks,
+                                   return_lse=True)
     decision = attnforge.last_decision()
     assert (decision.forward.backend, decision.backward.backend) == ("cute_sm90", "triton_fa2"), decision
     dout = torch.randn(out.shape, generator=gen).to("cuda", torch.bfloat16)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    grads = torch.autograd.grad(out, (q, k, v) if sinks is None else (q, k, v, sinks), dout)
     assert not any(g.isnan().any() for g in grads)
     mask = _causal_mask(causal, window)
-    ref, _, ref_grads = oracle(q, k, v, mask=mask, softcap=cap, dout=dout)
-    peer, peer_grads = peer_error(q, k, v, mask=mask, softcap=cap, dout=dout)
+    ref, _, ref_grads = oracle(q, k, v, mask=mask, softcap=cap, sinks=sinks, dout=dout)
+    peer, peer_grads = peer_error(q, k, v, mask=mask, softcap=cap, sinks=sinks, dout=dout)
     ulps = 4 * math.sqrt(max(nq, nk, 128))
     assert_close("out", out, ref, peer, ulps=ulps)
-    assert_grads_close(grads, ref_grads, peer_grads, q, k, v, dout, mask, 128 ** -0.5, 2 * ulps)
+    assert_grads_close(grads[:3], ref_grads[:3], peer_grads[:3], q, k, v, dout, mask, 128 ** -0.5, 2 * ulps)
+    if sinks is not None:  # dsinks from this call's own O and LSE, as tests/backends/triton_fa2 check it
+        share = torch.exp(sinks.detach().double()[None, :, None] - lse.detach().double())
+        want = -(share * (dout.double() * out.detach().double()).sum(-1)).sum((0, 2))
+        assert_close("dsinks", grads[3], want, want.float(), ulps=ulps * math.sqrt(2 * nq))
