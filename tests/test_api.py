@@ -225,10 +225,10 @@ def test_softcap_is_served_where_declared_and_refused_with_the_reason_elsewhere(
     # cute_sm90's forward has a SOFTCAP kernel, its backward does not: triton_fa2's runs from the saved LSE
     assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "triton_fa2")
     assert d.forward.variant.softcap and d.backward.variant.softcap and "+softcap" in d.forward.describe()
-    assert "its backward has no sliding window, softcap or sinks" in " ".join(d.backward.reasons_of("cute_sm90"))
+    assert "its backward has no sliding window, softcap, sinks or ALiBi" in " ".join(d.backward.reasons_of("cute_sm90"))
     assert "softcap is not supported" in d.forward.reasons_of("sdpa")
     fp8 = explain(device="H100", dtype="fp8", head_dim=128, seqlen_q=4096, softcap=50.0)
-    assert "its fp8 kernel has no sliding window, softcap or sinks" in " ".join(fp8.forward.reasons_of("cute_sm90"))
+    assert "its fp8 kernel has no sliding window, softcap, sinks or ALiBi" in " ".join(fp8.forward.reasons_of("cute_sm90"))
     b200 = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=4096, softcap=50.0)
     assert b200.forward.backend == "cute_sm100" and b200.forward.variant.softcap
     assert "softcap" in d.problem.describe()
@@ -321,5 +321,5 @@ def test_alibi_is_flash_attentions_bias_written_out(gen):
     with pytest.raises(InvalidInputError, match=r"alibi_slopes must be a float tensor of shape \(heads_q,\) = \(2,\)"):
         attention(q, k, v, alibi_slopes=torch.ones(3))
     d = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, alibi=True, needs_grad=True)
-    assert (d.forward.backend, d.backward.backend) == ("triton_fa2", "triton_fa2")
-    assert "ALiBi is not supported" in d.forward.reasons_of("cute_sm90")
+    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "triton_fa2") and d.forward.variant.alibi
+    assert "ALiBi is not supported" in d.forward.reasons_of("sdpa")

@@ -195,7 +195,7 @@ def test_explain_takes_alibi(capsys):
     assert main(["explain", "--device", "H100", "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "4096",
                  "--alibi", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["forward"]["backend"] == "triton_fa2" and "alibi" in d["forward"]["variant"]
+    assert d["forward"]["backend"] == "cute_sm90" and "alibi" in d["forward"]["variant"]
 
 
 def test_explain_takes_varlen(capsys):

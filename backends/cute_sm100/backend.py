@@ -25,7 +25,8 @@ from . import variants
 @dataclasses.dataclass(frozen=True)
 class Sm100Variant(CuteVariant):
     """One compiled cute_sm100 forward: a tile for a head dim, compiled for a dtype and causality; ``window``,
-    ``softcap`` and ``sinks`` compile the template's WINDOW, SOFTCAP and SINKS in (their values are the call's)."""
+    ``softcap``, ``sinks`` and ``alibi`` compile the template's WINDOW, SOFTCAP, SINKS and ALIBI in (their values
+    are the call's)."""
 
     tile: variants.Sm100FwdTile
     head_dim: int
@@ -34,11 +35,13 @@ class Sm100Variant(CuteVariant):
     window: bool = False
     softcap: bool = False
     sinks: bool = False
+    alibi: bool = False
     compile_module = cc
 
     @property
     def features(self) -> tuple[str, ...]:
-        return tuple(f for f, on in (("window", self.window), ("softcap", self.softcap), ("sinks", self.sinks)) if on)
+        return tuple(f for f, on in (("window", self.window), ("softcap", self.softcap), ("sinks", self.sinks),
+                                     ("alibi", self.alibi)) if on)
 
     @property
     def module(self) -> str:
@@ -46,13 +49,14 @@ class Sm100Variant(CuteVariant):
 
     @property
     def source(self) -> Source:
-        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.window, self.softcap, self.sinks), self.module)
+        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.window, self.softcap, self.sinks, self.alibi),
+                         self.module)
 
     def describe(self) -> str:
         return super().describe() + (f" +{'+'.join(self.features)}" if self.features else "")
 
 
-FORWARD_FEATURES = frozenset({"window", "softcap", "sinks"})  # what variants(features=...) compiles in
+FORWARD_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})  # what variants(features=...) compiles in
 
 
 class CuteSm100Backend(Backend):
@@ -69,6 +73,7 @@ class CuteSm100Backend(Backend):
         window=True,  # WINDOW kernels
         softcap=True,  # SOFTCAP kernels
         sinks=True,  # SINKS kernels (dsinks comes from the output and LSE)
+        alibi=True,  # ALIBI kernels
     )
 
     def available(self) -> list[str]:
@@ -83,7 +88,7 @@ class CuteSm100Backend(Backend):
         if reasons:
             return None, reasons
         return Sm100Variant(tile, problem.head_dim, problem.dtype, problem.causal, problem.mask.windowed,
-                            bool(problem.softcap), bool(problem.sinks)), []
+                            bool(problem.softcap), bool(problem.sinks), bool(problem.alibi)), []
 
     def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
                  deterministic=False, features=()) -> list[Sm100Variant]:
@@ -100,7 +105,8 @@ class CuteSm100Backend(Backend):
                         raise ValueError("cute_sm100: " + "; ".join(why))  # the reason already says "head_dim N"
                     continue
                 out += [Sm100Variant(tile, head_dim, dtype, flag) for flag in causal]
-                out += [Sm100Variant(tile, head_dim, dtype, flag, "window" in kinds, "softcap" in kinds, "sinks" in kinds)
+                out += [Sm100Variant(tile, head_dim, dtype, flag, "window" in kinds, "softcap" in kinds, "sinks" in kinds,
+                                     "alibi" in kinds)
                         for kinds in features if kinds and kinds <= FORWARD_FEATURES for flag in causal]
         return out
 

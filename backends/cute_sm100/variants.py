@@ -37,10 +37,12 @@ class Sm100FwdTile:
         needed = self.tile_n + head_dim  # S, then O, fp32
         return max(32, 1 << (needed - 1).bit_length())
 
-    def params(self, head_dim: int, window: bool = False, softcap: bool = False, sinks: bool = False) -> dict:
-        """The template's parameters; ``window``, ``softcap`` and ``sinks`` compile in its WINDOW, SOFTCAP, SINKS."""
+    def params(self, head_dim: int, window: bool = False, softcap: bool = False, sinks: bool = False,
+               alibi: bool = False) -> dict:
+        """The template's parameters; ``window``, ``softcap``, ``sinks`` and ``alibi`` compile in its WINDOW,
+        SOFTCAP, SINKS and ALIBI."""
         return {**dataclasses.asdict(self), "head_dim": head_dim, "tmem_columns": self.tmem_columns(head_dim),
-                "window": window, "softcap": softcap, "sinks": sinks}
+                "window": window, "softcap": softcap, "sinks": sinks, "alibi": alibi}
 
     def smem_bytes(self, head_dim: int) -> int:
         tiles = self.tile_m * head_dim + 2 * self.kv_stages * self.tile_n * head_dim + self.tile_m * self.tile_n  # Q, K/V, P

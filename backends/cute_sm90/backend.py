@@ -30,8 +30,8 @@ from .v_layout import aot_build, prepare_v_fp8
 @dataclasses.dataclass(frozen=True)
 class Sm90Variant(CuteVariant):
     """One compiled cute_sm90 forward: a tile of the table for an input kind and head dim, compiled for a
-    dtype and causality (``kernel``: the compiled callable); ``window``, ``softcap`` and ``sinks`` compile the
-    template's WINDOW, SOFTCAP and SINKS in (the window, the cap and the sink logits themselves are the call's)."""
+    dtype and causality (``kernel``: the compiled callable); ``window``, ``softcap``, ``sinks`` and ``alibi``
+    compile the template's WINDOW, SOFTCAP, SINKS and ALIBI in (their values are the call's)."""
 
     tile: variants.Sm90FwdTile
     kind: str
@@ -41,6 +41,7 @@ class Sm90Variant(CuteVariant):
     window: bool = False
     softcap: bool = False
     sinks: bool = False
+    alibi: bool = False
     compile_module = cc
 
     @property
@@ -49,19 +50,20 @@ class Sm90Variant(CuteVariant):
 
     @property
     def features(self) -> tuple[str, ...]:
-        return tuple(f for f, on in (("window", self.window), ("softcap", self.softcap), ("sinks", self.sinks)) if on)
+        return tuple(f for f, on in (("window", self.window), ("softcap", self.softcap), ("sinks", self.sinks),
+                                     ("alibi", self.alibi)) if on)
 
     @property
     def source(self) -> Source:
-        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind, self.window, self.softcap, self.sinks),
-                         self.module)
+        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind, self.window, self.softcap, self.sinks,
+                                                       self.alibi), self.module)
 
     def describe(self) -> str:
         return super().describe() + (f" +{'+'.join(self.features)}" if self.features else "")
 
 
 # The score features the forward compiles in (variants(features=...) builds them; backward and FP8 have none)
-FORWARD_FEATURES = frozenset({"window", "softcap", "sinks"})
+FORWARD_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,6 +135,7 @@ class CuteSm90Backend(Backend):
         window=True,  # WINDOW forward kernels (16-bit); the backward refuses it (_plan_backward)
         softcap=True,  # SOFTCAP forward kernels (16-bit); likewise
         sinks=True,  # SINKS forward kernels (16-bit); likewise (dsinks comes from the output and LSE)
+        alibi=True,  # ALIBI forward kernels (16-bit); likewise
         nondeterministic_backward="dQ is summed by TMA reduce-add in the order the CTAs reach it",
         deterministic_backward="dQ summed in key-block order",
     )
@@ -145,14 +148,14 @@ class CuteSm90Backend(Backend):
         if problem.head_dim_v != problem.head_dim:
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         kind = cc.KIND[problem.dtype]
-        window, softcap, sinks = problem.mask.windowed, bool(problem.softcap), bool(problem.sinks)
-        if kind != "16bit" and (window or softcap or sinks):
-            reasons.append(f"its {problem.dtype} kernel has no sliding window, softcap or sinks (the 16-bit ones do)")
+        features = (problem.mask.windowed, bool(problem.softcap), bool(problem.sinks), bool(problem.alibi))
+        if kind != "16bit" and any(features):
+            reasons.append(f"its {problem.dtype} kernel has no sliding window, softcap, sinks or ALiBi (the 16-bit ones do)")
         tile, why = variants.pick(kind, problem.head_dim)
         reasons += why
         if reasons:
             return None, reasons
-        return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal, window, softcap, sinks), []
+        return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal, *features), []
 
     def _plan_backward(self, problem: Problem) -> Planned:
         reasons = []
@@ -160,8 +163,8 @@ class CuteSm90Backend(Backend):
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         if cc.KIND[problem.dtype] != "16bit":
             reasons.append(f"the backward takes fp16 or bf16, not {problem.dtype}")
-        if problem.mask.windowed or problem.softcap or problem.sinks:
-            reasons.append("its backward has no sliding window, softcap or sinks (the forward has)")
+        if problem.mask.windowed or problem.softcap or problem.sinks or problem.alibi:
+            reasons.append("its backward has no sliding window, softcap, sinks or ALiBi (the forward has)")
         tile, why = bwd_variants.pick(problem.head_dim)
         reasons += why
         if reasons:
@@ -205,7 +208,7 @@ class CuteSm90Backend(Backend):
                 out += [Sm90Variant(tile, cc.KIND[dtype], head_dim, dtype, flag) for flag in causal]
                 if cc.KIND[dtype] == "16bit":  # the feature sets it compiles in (build --features)
                     out += [Sm90Variant(tile, "16bit", head_dim, dtype, flag, "window" in kinds, "softcap" in kinds,
-                                        "sinks" in kinds)
+                                        "sinks" in kinds, "alibi" in kinds)
                             for kinds in features if kinds and kinds <= FORWARD_FEATURES for flag in causal]
                 back, _ = bwd_variants.pick(head_dim) if cc.KIND[dtype] == "16bit" else (None, ())
                 if back is not None:

@@ -72,11 +72,12 @@ class Sm90FwdTile:
                 f"{'_to' if self.tma_store else ''}")
 
     def params(self, head_dim: int, kind: str = "16bit", window: bool = False, softcap: bool = False,
-               sinks: bool = False) -> dict:
-        """The template's parameters; ``window``, ``softcap`` and ``sinks`` compile in its WINDOW, SOFTCAP, SINKS."""
+               sinks: bool = False, alibi: bool = False) -> dict:
+        """The template's parameters; ``window``, ``softcap``, ``sinks`` and ``alibi`` compile in its WINDOW,
+        SOFTCAP, SINKS and ALIBI."""
         return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": padded_head_dim(head_dim, kind),
                 "kind": kind, "o_in_q": self.o_in_q(head_dim, kind), "window": window, "softcap": softcap,
-                "sinks": sinks}
+                "sinks": sinks, "alibi": alibi}
 
     def o_in_q(self, head_dim: int, kind: str = "16bit") -> bool:
         """Whether tma_store stages O in Q's buffer (O_IN_Q in the template): each consumer warpgroup writes its 64

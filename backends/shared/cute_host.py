@@ -53,10 +53,11 @@ class CuteVariant(Variant):
 
 
 def score_arguments(variant, call, scale: float) -> tuple[tuple, float]:
-    """(a forward kernel's trailing WINDOW/SOFTCAP/SINKS arguments, the scale_log2 it takes) for ``call`` and a
-    variant with ``window``, ``softcap`` (and ``sinks``) flags: the window bounds with causal folded in (unbounded:
-    seqlen_q + seqlen_k, which no row reaches); with a softcap the pre-tanh scale / softcap, and softcap * log2(e)
-    in place of scale * log2(e); the sink logits as a contiguous fp32 (heads_q,) tensor."""
+    """(a forward kernel's trailing WINDOW/SOFTCAP/SINKS/ALIBI arguments, the scale_log2 it takes) for ``call`` and a
+    variant with ``window``, ``softcap`` (and ``sinks``, ``alibi``) flags: the window bounds with causal folded in
+    (unbounded: seqlen_q + seqlen_k, which no row reaches); with a softcap the pre-tanh scale / softcap, and
+    softcap * log2(e) in place of scale * log2(e); the sink logits as a contiguous fp32 (heads_q,) tensor; the ALiBi
+    slopes (batch, heads_q) negated and divided by the unit of the kernel's raw scores (scale, or the softcap)."""
     extra = ()
     scale_log2 = scale * LOG2_E
     if variant.window:
@@ -66,6 +67,8 @@ def score_arguments(variant, call, scale: float) -> tuple[tuple, float]:
         extra, scale_log2 = (*extra, scale / call.softcap), call.softcap * LOG2_E
     if getattr(variant, "sinks", False):
         extra = (*extra, call.sinks.detach().float().contiguous())
+    if getattr(variant, "alibi", False):
+        extra = (*extra, call.alibi_slopes * (-1.0 / (call.softcap if variant.softcap else scale)))
     return extra, scale_log2
 
 
@@ -105,14 +108,15 @@ def elements(dtype: str, arch: str):
 
 
 def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = False,
-                   tail_split: bool = False, window: bool = False, softcap: bool = False, sinks: bool = False):
+                   tail_split: bool = False, window: bool = False, softcap: bool = False, sinks: bool = False,
+                   alibi: bool = False):
     """Fake arguments for cute.compile: q, k, v, out (batch, heads, seqlen, head_dim) with symbolic sizes
     and strides (16-byte aligned rows, as TMA needs), fp32 LSE (batch, heads, seqlen), then for FP8
     the descales (3, batch, heads_kv) in fp32, then scale_log2, with ``takes_max_ctas`` the Int32 CTA count a
     persistent kernel may launch (cute_sm90's take it; pass the SM count), with ``tail_split`` the pieces'
     fp32 workspaces (pieces, tile_m, head_dim) and (pieces, tile_m) and two Int32 counts (see cute_sm90/tail_split.py),
     with ``window`` the Int32 window bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, with ``sinks``
-    the fp32 sink logits (heads_q,), and the stream. FP8's v is V^T (batch, heads_kv, head_dim, seqlen_k padded to 32): see cute_sm90/v_layout.py."""
+    the fp32 sink logits (heads_q,), with ``alibi`` the fp32 slopes (batch, heads_q), and the stream. FP8's v is V^T (batch, heads_kv, head_dim, seqlen_k padded to 32): see cute_sm90/v_layout.py."""
     cutlass = import_cutlass(arch)
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -139,6 +143,8 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
     scores = ((cutlass.Int32(1), cutlass.Int32(1)) if window else ()) + ((cutlass.Float32(1.0),) if softcap else ())
     if sinks:
         scores += (make_fake_tensor(cutlass.Float32, (heads_q,), (1,), assumed_align=4),)
+    if alibi:
+        scores += (make_fake_tensor(cutlass.Float32, (batch, heads_q), (cute.sym_int64(), 1), assumed_align=4),)
     tail = (cutlass.Float32(1.0), *max_ctas, *split, *scores, make_fake_stream(use_tvm_ffi_env_stream=True))
     if dtype != "fp8":
         return (q, k, tensor(element, batch, heads_kv, seqlen_k, head_dim), out, lse, *tail)
@@ -155,5 +161,6 @@ def compile_arguments(module, dtype: str, causal: bool, arch: str):
     element, out_element = elements(dtype, arch)
     args = fake_arguments(dtype, getattr(module, "INPUT_HEAD_DIM", module.HEAD_DIM), arch, takes_max_ctas=getattr(module, "MAX_CTAS_ARGUMENT", False),
                           tail_split=getattr(module, "TAIL_SPLIT", False), window=getattr(module, "WINDOW", False),
-                          softcap=getattr(module, "SOFTCAP", False), sinks=getattr(module, "SINKS", False))
+                          softcap=getattr(module, "SOFTCAP", False), sinks=getattr(module, "SINKS", False),
+                          alibi=getattr(module, "ALIBI", False))
     return module.Forward(element, out_element, causal), args

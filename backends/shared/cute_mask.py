@@ -1,7 +1,8 @@
-"""The mask rule (dispatch/mask.py) and the score cap for CuTe-DSL kernels, written once: bottom-right aligned
+"""The mask rule (dispatch/mask.py) and the score features for CuTe-DSL kernels, written once: bottom-right aligned
 causal, query row i sees key j iff j <= i + seqlen_k - seqlen_q; a sliding window (left, right) keeps
 i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; softcap turns a score s into
-softcap * tanh(scale * s / softcap). Plain functions of DSL values: the kernels call them while cute.compile traces,
+softcap * tanh(scale * s / softcap); ALiBi adds -slope * |i + seqlen_k - seqlen_q - j|; a sink logit joins each
+row's softmax denominator. Plain functions of DSL values: the kernels call them while cute.compile traces,
 so each call is the expression itself in the kernel's IR."""
 
 
@@ -56,3 +57,11 @@ def with_sink(max_log2, total, sink_log2):
     new_max = cute.arch.fmax(cute.arch.fmax(max_log2, sink_log2), cutlass.Float32(-3.4028234663852886e38))
     keys = cute.math.exp2(max_log2 - new_max, fastmath=True)
     return keys, total * keys + cute.math.exp2(sink_log2 - new_max, fastmath=True), new_max
+
+
+def alibi_biased(score, slope, distance):
+    """ALiBi: ``score`` plus ``slope`` (negative, in the score's units) times |distance| (query's diagonal key minus
+    this key, an Int32)."""
+    import cutlass
+
+    return score + slope * cutlass.Float32(cutlass.max(distance, -distance))

@@ -259,8 +259,7 @@ def test_softcap_sinks_and_alibi_are_unmeasured(feature):
     select.decide.cache_clear()  # decisions other tests made with their own tables
     shape = dict(device="H200", head_dim=128, seqlen_q=16384, batch=1, heads=16)  # a measured class
     d = explain(**shape, **feature)
-    # cute_sm90 (first in the order) has SOFTCAP and SINKS forwards, not yet ALiBi
-    first = "triton_fa2" if "alibi" in feature else "cute_sm90"
+    first = "cute_sm90"  # first in the order; it has SOFTCAP, SINKS and ALIBI forwards
     evidence = {c.backend: c.evidence for c in d.forward.candidates}
     assert d.forward.backend == first and evidence[first] == "unmeasured", d.forward
     assert "measured on NVIDIA H200" in explain(**shape).forward.candidates[1].evidence  # the dense call is measured

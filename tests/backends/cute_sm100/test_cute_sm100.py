@@ -72,13 +72,13 @@ def test_variant_compiles_for_sm100a_with_tcgen05_tma_and_tmem(tmp_path, variant
     assert usage["stack_bytes"] <= variant.tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage
 
 
-# `attnforge build --features window,softcap,sinks,window+softcap+sinks`: the feature kernels, bf16
+# `attnforge build --features window,softcap,sinks,alibi,window+softcap+sinks+alibi`: the feature kernels, bf16
+EVERY_FEATURE = frozenset({"window", "softcap", "sinks", "alibi"})
 FEATURES = [v for v in registered()["cute_sm100"].variants(dtypes=("bf16",), features=(
-    frozenset({"window"}), frozenset({"softcap"}), frozenset({"sinks"}), frozenset({"window", "softcap", "sinks"})))
-    if v.features]
+    *(frozenset({f}) for f in sorted(EVERY_FEATURE)), EVERY_FEATURE)) if v.features]
 
 
-def test_b200_takes_it_for_windows_softcap_and_sinks_and_says_why_not_for_alibi():
+def test_b200_takes_it_for_windows_softcap_sinks_and_alibi():
     d = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=8192, causal=True, window_size=(1023, 0),
                 softcap=30.0, needs_grad=True)
     assert d.forward.backend == "cute_sm100" and d.forward.variant.window and d.forward.variant.softcap
@@ -87,8 +87,9 @@ def test_b200_takes_it_for_windows_softcap_and_sinks_and_says_why_not_for_alibi(
     sinks = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=8192, sinks=True)
     assert sinks.forward.backend == "cute_sm100" and sinks.forward.variant.sinks
     alibi = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=8192, alibi=True)
-    assert "ALiBi is not supported" in alibi.forward.reasons_of("cute_sm100")
-    assert {v.features for v in FEATURES} == {("window",), ("softcap",), ("sinks",), ("window", "softcap", "sinks")}
+    assert alibi.forward.backend == "cute_sm100" and alibi.forward.variant.alibi
+    assert {v.features for v in FEATURES} == {("window",), ("softcap",), ("sinks",), ("alibi",),
+                                              ("window", "softcap", "sinks", "alibi")}
 
 
 @pytest.mark.parametrize("variant", FEATURES, ids=[v.name for v in FEATURES])

@@ -88,18 +88,19 @@ def test_disk_cache_builds_once_and_keys_on_the_variant(tmp_path):
     assert cute.cache_path(Sm90Variant(other_tile, other_kind, other_dim, "bf16", False).build, tmp_path) != path
 
 
-# `attnforge build --features window,softcap,sinks,window+softcap+sinks` for bf16: the feature forward kernels
+# `attnforge build --features window,softcap,sinks,alibi,window+softcap+sinks+alibi` for bf16: the feature forwards
+EVERY_FEATURE = frozenset({"window", "softcap", "sinks", "alibi"})
 FEATURES = [v for v in registered()["cute_sm90"].variants(dtypes=("bf16",), head_dims=(64, 128, 256), features=(
-    frozenset({"window"}), frozenset({"softcap"}), frozenset({"sinks"}), frozenset({"window", "softcap", "sinks"})))
-    if isinstance(v, Sm90Variant) and v.features]
+    *(frozenset({f}) for f in sorted(EVERY_FEATURE)), EVERY_FEATURE)) if isinstance(v, Sm90Variant) and v.features]
 # d=64's tile (3 consumer warpgroups at 128 registers) spills a little more with a feature's registers: measured
 # here (stack bytes of the compiled kernel), 136 at most (window + softcap), against 16 without; not yet timed
 FEATURE_SPILL_BYTES = {64: 136}
 
 
 def test_build_features_give_the_forward_feature_kernels_and_no_fp8_or_backward_ones():
-    assert {v.features for v in FEATURES} == {("window",), ("softcap",), ("sinks",), ("window", "softcap", "sinks")}
-    assert len(FEATURES) == 3 * 4 * 2  # head dims x feature sets x causality
+    assert {v.features for v in FEATURES} == {("window",), ("softcap",), ("sinks",), ("alibi",),
+                                              ("window", "softcap", "sinks", "alibi")}
+    assert len(FEATURES) == 3 * 5 * 2  # head dims x feature sets x causality
     fp8 = registered()["cute_sm90"].variants(dtypes=("fp8",), features=(frozenset({"window"}),))
     assert not any(v.window for v in fp8)
 

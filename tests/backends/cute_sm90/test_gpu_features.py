@@ -1,8 +1,8 @@
-"""On an H100/H200: cute_sm90's WINDOW, SOFTCAP and SINKS forward kernels through attention(backend="cute_sm90") against
+"""On an H100/H200: cute_sm90's WINDOW, SOFTCAP, SINKS and ALIBI forward kernels through attention(backend="cute_sm90") against
 fp64 math, outputs poisoned (NaN) before the call so an element no CTA writes shows: windows on one and both sides,
 with and without causal, Nq != Nk both ways (rows that see no key: 0 out, LSE -inf, or with sinks LSE = the sink),
-GQA, odd lengths; the softcap alone and with a window; sinks alone and with both; the backward (triton_fa2's, from
-this forward's LSE) on one case per feature."""
+GQA, odd lengths; the softcap alone and with a window; sinks alone and with both; ALiBi (per head and per batch and
+head) alone and with all three; the backward (triton_fa2's, from this forward's LSE) on one case per feature."""
 
 import math
 
@@ -15,7 +15,7 @@ from attnforge.testing import assert_close, assert_grads_close, needs_gpu, oracl
 
 pytestmark = [pytest.mark.gpu, needs_gpu((9, 0), "sm90")]
 
-# (batch, heads_q, heads_kv, seqlen_q, seqlen_k, causal, window, softcap, sinks)
+# (batch, heads_q, heads_kv, seqlen_q, seqlen_k, causal, window, softcap, sinks[, alibi slopes' shape: "h" or "bh"])
 CASES = [
     (2, 4, 2, 1023, 1023, True, (255, -1), 0.0, False),    # Mistral's: causal + a left window, edges inside blocks
     (1, 4, 4, 113, 1023, False, (17, 17), 0.0, False),     # two-sided, Nq < Nk (bottom-right): most key blocks skipped
@@ -28,7 +28,19 @@ CASES = [
     (2, 8, 2, 1023, 1023, True, (-1, -1), 0.0, True),      # gpt-oss's sinks
     (1, 4, 1, 1023, 113, True, (-1, -1), 0.0, True),       # sinks where the first rows see no key: LSE = the sink
     (2, 4, 2, 1023, 1023, True, (127, -1), 30.0, True),    # all three
+    (2, 4, 2, 113, 1023, False, (-1, -1), 0.0, False, "bh"),  # ALiBi, slopes per (batch, head), Nq < Nk
+    (2, 4, 2, 1023, 1023, True, (-1, -1), 0.0, False, "h"),   # ALiBi per head, causal
+    (2, 4, 2, 1023, 1023, True, (255, -1), 30.0, True, "bh"),  # all four
 ]
+
+
+def slopes_for(case, gen):
+    """The case's ALiBi slopes (FlashAttention's shapes: (heads_q,) or (batch, heads_q)), or None."""
+    shape = case[9] if len(case) > 9 else None
+    if shape is None:
+        return None
+    b, hq = case[0], case[1]
+    return (torch.rand(*((b, hq) if shape == "bh" else (hq,)), generator=gen) * 0.1).cuda()
 # every kernel family of the table: d=64 (3 consumer warpgroups), 128 (persistent tile, run one CTA per tile here),
 # 256 (64-key blocks), 96 (a head dim between)
 HEAD_DIMS = [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.bfloat16, 256), (torch.bfloat16, 96), (torch.float16, 128)]
@@ -38,17 +50,20 @@ HEAD_DIMS = [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.bfloat16, 256),
                                                              for t, d in HEAD_DIMS])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_window_and_softcap_forward_match_fp64(case, dtype, head_dim, gen, poisoned_empty):
-    b, hq, hkv, nq, nk, causal, window, cap, with_sinks = case
+    b, hq, hkv, nq, nk, causal, window, cap, with_sinks = case[:9]
     q, k, v = (torch.randn(b, h, n, head_dim, generator=gen).to("cuda", dtype) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
     sinks = (torch.randn(hq, generator=gen) * 2).cuda() if with_sinks else None
+    slopes = slopes_for(case, gen)
     out, lse = attnforge.attention(q, k, v, causal=causal, window_size=window, softcap=cap, sinks=sinks,
-                                   return_lse=True, backend="cute_sm90")
+                                   alibi_slopes=slopes, return_lse=True, backend="cute_sm90")
     variant = attnforge.last_decision().forward.variant
-    assert (variant.window, variant.softcap, variant.sinks) == (window != (-1, -1), cap > 0, with_sinks), variant
+    assert variant.features == tuple(f for f, on in (("window", window != (-1, -1)), ("softcap", cap > 0),
+                                                      ("sinks", with_sinks), ("alibi", slopes is not None)) if on)
     assert not out.isnan().any() and not lse.isnan().any(), "an unwritten element (or a wrong one)"
     mask = _causal_mask(causal, window)
-    ref, ref_lse, _ = oracle(q, k, v, mask=mask, softcap=cap, sinks=sinks)
-    peer, _ = peer_error(q, k, v, mask=mask, softcap=cap, sinks=sinks)
+    features = dict(mask=mask, softcap=cap, sinks=sinks, alibi_slopes=slopes)
+    ref, ref_lse, _ = oracle(q, k, v, **features)
+    peer, _ = peer_error(q, k, v, **features)
     ulps = 4 * math.sqrt(max(nq, nk, head_dim))
     assert_close("out", out, ref, peer, ulps=ulps)
     blind = (~sees(mask, nq, nk).any(-1)).cuda()  # rows the rule hides every key from
@@ -62,22 +77,24 @@ def test_window_and_softcap_forward_match_fp64(case, dtype, head_dim, gen, poiso
         assert_close("lse", lse[finite], ref_lse[finite], ref_lse[finite].float(), ulps=ulps)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[7], CASES[10]], ids=str)
+@pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[7], CASES[10], CASES[13]], ids=str)
 def test_training_runs_this_forward_and_triton_fa2s_backward(case, gen, poisoned_empty):
-    b, hq, hkv, nq, nk, causal, window, cap, with_sinks = case
+    b, hq, hkv, nq, nk, causal, window, cap, with_sinks = case[:9]
+    slopes = slopes_for(case, gen)
     q, k, v = (torch.randn(b, h, n, 128, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
                for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
     sinks = (torch.randn(hq, generator=gen) * 2).cuda().requires_grad_() if with_sinks else None
     out, lse = attnforge.attention(q, k, v, causal=causal, window_size=window, softcap=cap, sinks=sinks,
-                                   return_lse=True)
+                                   alibi_slopes=slopes, return_lse=True)
     decision = attnforge.last_decision()
     assert (decision.forward.backend, decision.backward.backend) == ("cute_sm90", "triton_fa2"), decision
     dout = torch.randn(out.shape, generator=gen).to("cuda", torch.bfloat16)
     grads = torch.autograd.grad(out, (q, k, v) if sinks is None else (q, k, v, sinks), dout)
     assert not any(g.isnan().any() for g in grads)
     mask = _causal_mask(causal, window)
-    ref, _, ref_grads = oracle(q, k, v, mask=mask, softcap=cap, sinks=sinks, dout=dout)
-    peer, peer_grads = peer_error(q, k, v, mask=mask, softcap=cap, sinks=sinks, dout=dout)
+    features = dict(mask=mask, softcap=cap, sinks=sinks, alibi_slopes=slopes, dout=dout)
+    ref, _, ref_grads = oracle(q, k, v, **features)
+    peer, peer_grads = peer_error(q, k, v, **features)
     ulps = 4 * math.sqrt(max(nq, nk, 128))
     assert_close("out", out, ref, peer, ulps=ulps)
     assert_grads_close(grads[:3], ref_grads[:3], peer_grads[:3], q, k, v, dout, mask, 128 ** -0.5, 2 * ulps)
