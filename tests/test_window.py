@@ -79,6 +79,23 @@ def test_a_nan_key_reaches_only_the_rows_that_see_it(backend, gen):
     assert out[:, :, sees_it].isnan().all() and not out[:, :, ~sees_it].isnan().any()
 
 
+@pytest.mark.parametrize("tensor, value", [("k", float("inf")), ("k", float("-inf")), ("v", float("nan")),
+                                           ("v", float("inf"))])
+def test_sdpa_keeps_a_non_finite_key_or_value_to_the_rows_that_see_it(tensor, value, gen):
+    """sdpa's materialised window mask is additive: a hidden infinite key (inf + -inf) or non-finite value
+    (0 * nan) reached every row before; now only the rows that see it are non-finite, the others exact."""
+    q, k, v = inputs(gen, 17, 17, requires_grad=False)
+    {"k": k, "v": v}[tensor][:, :, 8, 3] = value
+    out = attnforge.attention(q, k, v, window_size=(2, 1), backend="sdpa")
+    sees_it = sees(_causal_mask(False, (2, 1)), 17, 17)[:, 8]
+    assert out[:, :, sees_it].isnan().all()  # (NaN also for an infinite value: see sdpa's _windowed)
+    clean = {"k": k, "v": v}[tensor].clone()
+    clean[:, :, 8] = 0.0
+    ref = attnforge.attention(q, *((clean, v) if tensor == "k" else (k, clean)), window_size=(2, 1), backend="reference")
+    assert out[:, :, ~sees_it].isfinite().all()
+    torch.testing.assert_close(out[:, :, ~sees_it], ref[:, :, ~sees_it])
+
+
 def test_causal_takes_right_as_zero():
     assert _causal_mask(True, (3, 5)) == _causal_mask(True, (3, 0)) == _causal_mask(True, [3, -1])
     assert _causal_mask(False, [-1, -1]) == attnforge.dispatch.mask.NONE

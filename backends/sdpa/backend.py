@@ -141,17 +141,20 @@ _MATERIALISE_AT_MOST = 1 << 16
 
 def _windowed(q, k, v, mask, kwargs):
     """A sliding window (with or without causal) through SDPA with the mask materialised by the mask model's
-    rule. Rows the window hides every key from give 0 (_mask_tensor). An additive mask would let a NaN key
-    reach the rows it hides from: NaN keys are zeroed and the rows that do see one set to NaN (counted by a
-    (seqlen_k x seqlen_q) product, no (batch, heads) copy of the mask)."""
+    rule. Rows the window hides every key from give 0 (_mask_tensor). An additive mask would let a non-finite key
+    or value reach the rows it hides from (NaN + -inf, inf + -inf, 0 * NaN): the keys with a non-finite entry in k
+    or v are zeroed, and the rows that do see one set to NaN (counted by a (seqlen_k x seqlen_q) product, no
+    (batch, heads) copy of the mask; no host read). NaN there is exact math's answer but for two cases it
+    approximates: an infinite value alone in its column (exact: +-inf) and a key whose score is -inf (exact: it
+    drops out)."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     rows = torch.arange(seqlen_q, device=q.device)[:, None]
     cols = torch.arange(seqlen_k, device=q.device)[None, :]
     visible = ~mask.hidden(rows, cols, seqlen_q, seqlen_k)
-    nan_key = k.isnan().any(-1)  # (batch, heads_kv, seqlen_k)
-    out = _mask_tensor(q, k.masked_fill(nan_key[..., None], 0.0), v, visible, kwargs)
-    sees_nan = (nan_key.to(torch.float32) @ visible.T.to(torch.float32)) > 0  # (batch, heads_kv, seqlen_q)
-    return out.masked_fill(sees_nan.repeat_interleave(q.shape[1] // k.shape[1], 1)[..., None], float("nan"))
+    bad = ~(k.isfinite().all(-1) & v.isfinite().all(-1))  # (batch, heads_kv, seqlen_k)
+    out = _mask_tensor(q, k.masked_fill(bad[..., None], 0.0), v.masked_fill(bad[..., None], 0.0), visible, kwargs)
+    sees_bad = (bad.to(torch.float32) @ visible.T.to(torch.float32)) > 0  # (batch, heads_kv, seqlen_q)
+    return out.masked_fill(sees_bad.repeat_interleave(q.shape[1] // k.shape[1], 1)[..., None], float("nan"))
 
 
 def _lower_right(q, k, v, kwargs):
