@@ -74,7 +74,7 @@ def patch(source: str, trace_m: int, trace_h: int) -> str:
              "        pipe_v.consumer_wait(v_state)\n",
              "        self.pv_gemm(tiled_mma_pv, acc_O, rP, tOrV[None, None, None, v_state.index], sums)\n",
              "        warpgroup.wait_group(1)\n",
-             "        pipe_k.consumer_release(state)\n        self.cap(",
+             "        pipe_k.consumer_release(state)\n        self.modify(",
              "        warpgroup.wait_group(0)\n        pipe_v.consumer_release(v_state)\n",
              "        pipe_v.consumer_release(v_state)\n        self.to_p_operand",
              "        return state\n"]

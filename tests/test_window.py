@@ -122,11 +122,25 @@ def test_the_kernels_with_a_window_serve_it_and_the_others_say_why_not(device, f
     assert d.forward.variant.window if fwd.startswith("cute") else d.forward.variant.local
     assert d.backward.variant.local and d.backward.variant.name.endswith(".causal.local")
     assert "+window" in d.forward.describe() and "+window" in d.backward.describe()
-    if fwd == "cute_sm90":
+    if fwd == "cute_sm90":  # its WINDOW backward runs when forced, until the cost table measures the pairing
         assert d.forward.variant.name.endswith("_window.bf16.causal")
-        assert "its backward has no sliding window" in " ".join(d.backward.reasons_of("cute_sm90"))
+        assert "does not measure its pairing" in " ".join(d.backward.reasons_of("cute_sm90"))
     else:
         assert not d.fallback
+
+
+def test_forcing_cute_sm90_runs_its_window_backward_but_not_the_deterministic_one():
+    d = attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, window_size=(1024, 0),
+                          needs_grad=True, backend="cute_sm90")
+    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "cute_sm90")
+    assert d.backward.variant.window and d.backward.variant.name.endswith("_window.bf16.causal")
+    assert "+window" in d.backward.describe()
+    det = attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, causal=True,
+                            window_size=(1024, 0), needs_grad=True, deterministic=True)
+    assert "its deterministic backward has no sliding window" in " ".join(det.backward.reasons_of("cute_sm90"))
+    capped = attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, softcap=30.0,
+                               needs_grad=True, backend="cute_sm90")
+    assert capped.backward.backend != "cute_sm90"
 
 
 def test_sdpa_says_it_materialises_the_window_mask():

@@ -132,10 +132,10 @@ class CuteSm90Backend(Backend):
         max_head_dim=max(variants.HEAD_DIMS),
         dropout=False,  # no Philox mask in the kernel; sdpa serves dropout
         empty=False,  # zero-sized grids; reference serves empty problems
-        window=True,  # WINDOW forward kernels (16-bit); the backward refuses it (_plan_backward)
-        softcap=True,  # SOFTCAP forward kernels (16-bit); likewise
-        sinks=True,  # SINKS forward kernels (16-bit); likewise (dsinks comes from the output and LSE)
-        alibi=True,  # ALIBI forward kernels (16-bit); likewise
+        window=True,  # WINDOW forward and backward kernels (16-bit; not the deterministic backward: _plan_backward)
+        softcap=True,  # SOFTCAP forward kernels (16-bit); the backward refuses it (_plan_backward)
+        sinks=True,  # SINKS forward kernels (16-bit); the backward needs nothing (P from the LSE, which counts it)
+        alibi=True,  # ALIBI forward kernels (16-bit); the backward refuses it (_plan_backward)
         nondeterministic_backward="dQ is summed by TMA reduce-add in the order the CTAs reach it",
         deterministic_backward="dQ summed in key-block order",
     )
@@ -163,13 +163,16 @@ class CuteSm90Backend(Backend):
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         if cc.KIND[problem.dtype] != "16bit":
             reasons.append(f"the backward takes fp16 or bf16, not {problem.dtype}")
-        if problem.mask.windowed or problem.softcap or problem.sinks or problem.alibi:
-            reasons.append("its backward has no sliding window, softcap, sinks or ALiBi (the forward has)")
+        if problem.softcap or problem.alibi:
+            reasons.append("its backward has no softcap or ALiBi (the forward has)")
+        if problem.mask.windowed and problem.deterministic:
+            reasons.append("its deterministic backward has no sliding window (the default one has)")
         tile, why = bwd_variants.pick(problem.head_dim)
         reasons += why
         if reasons:
             return None, reasons
-        return bwd.Sm90BwdVariant(tile, problem.head_dim, problem.dtype, problem.causal, problem.deterministic), []
+        return bwd.Sm90BwdVariant(tile, problem.head_dim, problem.dtype, problem.causal, problem.deterministic,
+                                  problem.mask.windowed), []
 
     def passed_over_backward(self, problem: Problem) -> list[str]:
         """Automatic dispatch takes this backward only where the arch's cost table measures the pairing (see
@@ -214,6 +217,8 @@ class CuteSm90Backend(Backend):
                 if back is not None:
                     modes = (False, True) if deterministic else (False,)
                     out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, det) for det in modes for flag in causal]
+                    if any("window" in kinds for kinds in features):  # build --features window: its backward too
+                        out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, False, True) for flag in causal]
         return out
 
     def builds(self, variant: Sm90Variant | bwd.Sm90BwdVariant) -> list:
@@ -241,4 +246,5 @@ class CuteSm90Backend(Backend):
         return out, lse
 
     def backward(self, variant: bwd.Sm90BwdVariant, call, out, lse, dout, dlse=None):
-        return bwd.run(variant, call.q, call.k, call.v, out, lse, dout, call.scale, dlse)
+        return bwd.run(variant, call.q, call.k, call.v, out, lse, dout, call.scale, dlse,
+                       window=call.mask.window_bounds if variant.window else None)

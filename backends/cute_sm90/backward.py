@@ -24,35 +24,41 @@ FACTORY = f"{__name__}:compile_arguments"  # what runtime.cute calls to trace a 
 @dataclasses.dataclass(frozen=True)
 class Sm90BwdVariant(CuteVariant):
     """One compiled cute_sm90 backward: a backward tile of the table for a head dim, dtype and causality;
-    ``deterministic``: its dQ reduce-adds ordered by key block (bitwise reproducible)."""
+    ``deterministic``: its dQ reduce-adds ordered by key block (bitwise reproducible); ``window``: the template's
+    WINDOW (the window itself is the call's). Sinks need nothing of the kernel: P comes from the forward's LSE,
+    which counts the sink, and dsinks from the output and LSE."""
 
     tile: bwd_variants.Sm90BwdTile
     head_dim: int
     dtype: str
     causal: bool
     deterministic: bool = False
+    window: bool = False
     compile_module = cc
 
     @property
     def module(self) -> str:
-        return self.tile.module(self.head_dim) + ("_det" if self.deterministic else "")
+        return (self.tile.module(self.head_dim) + ("_det" if self.deterministic else "")
+                + ("_window" if self.window else ""))
 
     @property
     def source(self) -> Source:
-        return Source.of(TEMPLATE, {**self.tile.params(self.head_dim), "deterministic": self.deterministic},
-                         self.module)
+        return Source.of(TEMPLATE, {**self.tile.params(self.head_dim), "deterministic": self.deterministic,
+                                    "window": self.window}, self.module)
 
     factory = FACTORY
 
     def describe(self) -> str:
-        return f"bwd {self.tile.describe()}" + (", dQ summed in key-block order" if self.deterministic else "")
+        return (f"bwd {self.tile.describe()}" + (", dQ summed in key-block order" if self.deterministic else "")
+                + (" +window" if self.window else ""))
 
 
-def fake_arguments(dtype: str, head_dim: int, arch: str):
+def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False):
     """Fake arguments for cute.compile, in __call__'s order: q, k, v, dout (batch, heads, seqlen, head_dim) with
     symbolic sizes and 16-byte aligned strides, the LSE (log2) and delta (batch, heads, seqlen_q padded), the
     fp32 dQ accumulator (batch, heads, seqlen_q, head_dim), the int32 dQ order counts (batch, heads, query
-    blocks; read by the deterministic kernels only), dk, dv, scale_log2, scale and the stream."""
+    blocks; read by the deterministic kernels only), dk, dv, scale_log2, scale, with ``window`` the Int32 window
+    bounds (left, right), and the stream."""
     cutlass = cute.import_cutlass(arch)
     import cutlass.cute as cute_dsl
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -75,14 +81,16 @@ def fake_arguments(dtype: str, head_dim: int, arch: str):
     dq_accum = tensor(cutlass.Float32, batch, heads_q, seqlen_q, head_dim)
     dq_order = make_fake_tensor(cutlass.Int32, (batch, heads_q, q_blocks),
                                 (cute_dsl.sym_int64(), cute_dsl.sym_int64(), 1), assumed_align=4)
+    bounds = (cutlass.Int32(1), cutlass.Int32(1)) if window else ()
     return (q, k, v, dout, rows(), rows(), dq_accum, dq_order, dk, dv, cutlass.Float32(1.0), cutlass.Float32(1.0),
-            make_fake_stream(use_tvm_ffi_env_stream=True))
+            *bounds, make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def compile_arguments(module, dtype: str, causal: bool, arch: str):
     """runtime.cute's factory for the backward modules: the module's Backward and its fake arguments."""
     element, _ = elements(dtype, arch)
-    return module.Backward(element, causal), fake_arguments(dtype, module.INPUT_HEAD_DIM, arch)
+    return module.Backward(element, causal), fake_arguments(dtype, module.INPUT_HEAD_DIM, arch,
+                                                            window=getattr(module, "WINDOW", False))
 
 
 def row_statistics(out, dout, lse, dlse, tile_m: int, use_triton: bool | None = None):
@@ -168,10 +176,11 @@ def aot_builds(dtype: str, head_dim: int, arch: str = "sm90") -> list:
     return [build("row_statistics", _dims(head_dim)), build("scale_dq", _dims(head_dim))]
 
 
-def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=None, dk=None, dv=None):
+def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=None, dk=None, dv=None, window=None):
     """(dq, dk, dv) by ``variant``'s kernel from the forward's output and natural-log LSE (``dk``, ``dv``: where to
-    write those, TMA-ready like k; default new tensors). The fp32 dQ accumulator (4 bytes per element of q) is the
-    workspace this adds to the inputs' size."""
+    write those, TMA-ready like k; default new tensors; ``window``: a WINDOW variant's (left, right), causal folded
+    in, -1 unbounded). The fp32 dQ accumulator (4 bytes per element of q) is the workspace this adds to the
+    inputs' size."""
     q, k, v, dout = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(dout)
     lse2, delta = row_statistics(out, dout, lse, dlse, variant.tile.tile_m)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -180,5 +189,8 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     dq_order = torch.zeros((*q.shape[:2], blocks), dtype=torch.int32, device=q.device)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dq_order, dk, dv, scale * LOG2_E, scale)
+    bounds = ()
+    if variant.window:  # an unbounded side as seqlen_q + seqlen_k, which no row reaches
+        bounds = tuple(q.shape[2] + k.shape[2] if bound < 0 else bound for bound in window)
+    variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dq_order, dk, dv, scale * LOG2_E, scale, *bounds)
     return dq_from_accumulator(dq_accum, q, scale), dk, dv

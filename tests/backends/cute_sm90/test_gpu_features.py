@@ -102,3 +102,38 @@ def test_training_runs_this_forward_and_triton_fa2s_backward(case, gen, poisoned
         share = torch.exp(sinks.detach().double()[None, :, None] - lse.detach().double())
         want = -(share * (dout.double() * out.detach().double()).sum(-1)).sum((0, 2))
         assert_close("dsinks", grads[3], want, want.float(), ulps=ulps * math.sqrt(2 * nq))
+
+
+# (batch, heads_q, heads_kv, seqlen_q, seqlen_k, causal, window, with sinks): cute_sm90's WINDOW backward
+WINDOW_BACKWARD = [
+    (2, 4, 2, 1023, 1023, True, (255, -1), False),   # Mistral's
+    (1, 4, 4, 113, 1023, False, (17, 17), False),    # two-sided, Nq < Nk: most key blocks see no query block
+    (1, 4, 1, 1023, 113, True, (37, -1), False),     # Nq > Nk: the first rows see no key
+    (2, 8, 2, 1023, 1023, True, (127, -1), True),    # gpt-oss's: window and sinks
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", WINDOW_BACKWARD, ids=str)
+def test_forced_window_backward_matches_fp64(case, head_dim, gen, poisoned_empty):
+    b, hq, hkv, nq, nk, causal, window, with_sinks = case
+    q, k, v = (torch.randn(b, h, n, head_dim, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+               for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    sinks = (torch.randn(hq, generator=gen) * 2).cuda().requires_grad_() if with_sinks else None
+    out, lse = attnforge.attention(q, k, v, causal=causal, window_size=window, sinks=sinks, return_lse=True,
+                                   backend="cute_sm90")
+    decision = attnforge.last_decision()
+    assert decision.backward.backend == "cute_sm90" and decision.backward.variant.window, decision
+    dout = torch.randn(out.shape, generator=gen).to("cuda", torch.bfloat16)
+    grads = torch.autograd.grad(out, (q, k, v) if sinks is None else (q, k, v, sinks), dout)
+    assert not any(g.isnan().any() for g in grads), "an unwritten gradient element (or a wrong one)"
+    mask = _causal_mask(causal, window)
+    features = dict(mask=mask, sinks=sinks, dout=dout)
+    ref, _, ref_grads = oracle(q, k, v, **features)
+    peer, peer_grads = peer_error(q, k, v, **features)
+    ulps = 4 * math.sqrt(max(nq, nk, head_dim))
+    assert_grads_close(grads[:3], ref_grads[:3], peer_grads[:3], q, k, v, dout, mask, head_dim ** -0.5, 2 * ulps)
+    if sinks is not None:
+        share = torch.exp(sinks.detach().double()[None, :, None] - lse.detach().double())
+        want = -(share * (dout.double() * out.detach().double()).sum(-1)).sum((0, 2))
+        assert_close("dsinks", grads[3], want, want.float(), ulps=ulps * math.sqrt(2 * nq))
