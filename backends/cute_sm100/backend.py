@@ -16,7 +16,8 @@ from ...codegen import Source
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
-from ..shared.cute_host import CuteVariant, lse_like, score_arguments, stack_missing, tma_ready
+from ..shared.cute_host import (LOG2_E, SCORE_FEATURES, CuteVariant, feature_flags, lse_like, problem_features,
+                                score_arguments, stack_missing, tma_ready)
 from ..shared.inputs import nonnegative_scale
 from . import compile as cc
 from . import variants
@@ -39,24 +40,13 @@ class Sm100Variant(CuteVariant):
     compile_module = cc
 
     @property
-    def features(self) -> tuple[str, ...]:
-        return tuple(f for f, on in (("window", self.window), ("softcap", self.softcap), ("sinks", self.sinks),
-                                     ("alibi", self.alibi)) if on)
-
-    @property
     def module(self) -> str:
-        return self.tile.module(self.head_dim) + "".join(f"_{f}" for f in self.features)
+        return self.tile.module(self.head_dim) + self.feature_suffix
 
     @property
     def source(self) -> Source:
         return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.window, self.softcap, self.sinks, self.alibi),
                          self.module)
-
-    def describe(self) -> str:
-        return super().describe() + (f" +{'+'.join(self.features)}" if self.features else "")
-
-
-FORWARD_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})  # what variants(features=...) compiles in
 
 
 class CuteSm100Backend(Backend):
@@ -87,8 +77,7 @@ class CuteSm100Backend(Backend):
         reasons += why
         if reasons:
             return None, reasons
-        return Sm100Variant(tile, problem.head_dim, problem.dtype, problem.causal, problem.mask.windowed,
-                            bool(problem.softcap), bool(problem.sinks), bool(problem.alibi)), []
+        return Sm100Variant(tile, problem.head_dim, problem.dtype, problem.causal, **problem_features(problem)), []
 
     def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
                  deterministic=False, features=()) -> list[Sm100Variant]:
@@ -105,9 +94,8 @@ class CuteSm100Backend(Backend):
                         raise ValueError("cute_sm100: " + "; ".join(why))  # the reason already says "head_dim N"
                     continue
                 out += [Sm100Variant(tile, head_dim, dtype, flag) for flag in causal]
-                out += [Sm100Variant(tile, head_dim, dtype, flag, "window" in kinds, "softcap" in kinds, "sinks" in kinds,
-                                     "alibi" in kinds)
-                        for kinds in features if kinds and kinds <= FORWARD_FEATURES for flag in causal]
+                out += [Sm100Variant(tile, head_dim, dtype, flag, **feature_flags(kinds))
+                        for kinds in features if kinds and kinds <= set(SCORE_FEATURES) for flag in causal]
         return out
 
     def builds(self, variant: Sm100Variant) -> list:
@@ -118,6 +106,6 @@ class CuteSm100Backend(Backend):
         q, k, v = tma_ready(q), tma_ready(call.k), tma_ready(call.v)
         out = torch.empty_like(q)
         lse = lse_like(q.shape[:3], q.device)
-        scores, scale_log2 = score_arguments(variant, call, scale)
+        scores, scale_log2 = score_arguments(variant, call, scale) if variant.features else ((), scale * LOG2_E)
         variant.kernel(q, k, v, out, lse, scale_log2, *scores)
         return out, lse

@@ -19,7 +19,8 @@ from ...dispatch import costs as cost_model
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend, Planned, registered
 from ...dispatch.support import Support
-from ..shared.cute_host import LOG2_E, CuteVariant, lse_like, score_arguments, stack_missing, tma_ready
+from ..shared.cute_host import (LOG2_E, SCORE_FEATURES, CuteVariant, feature_flags, lse_like, problem_features,
+                                score_arguments, stack_missing, tma_ready)
 from ..shared.inputs import TINY_SCALE, nonnegative_scale
 from . import compile as cc
 from . import backward as bwd
@@ -46,24 +47,12 @@ class Sm90Variant(CuteVariant):
 
     @property
     def module(self) -> str:
-        return self.tile.module(self.head_dim, self.kind) + "".join(f"_{f}" for f in self.features)
-
-    @property
-    def features(self) -> tuple[str, ...]:
-        return tuple(f for f, on in (("window", self.window), ("softcap", self.softcap), ("sinks", self.sinks),
-                                     ("alibi", self.alibi)) if on)
+        return self.tile.module(self.head_dim, self.kind) + self.feature_suffix
 
     @property
     def source(self) -> Source:
         return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind, self.window, self.softcap, self.sinks,
                                                        self.alibi), self.module)
-
-    def describe(self) -> str:
-        return super().describe() + (f" +{'+'.join(self.features)}" if self.features else "")
-
-
-# The score features the forward compiles in (variants(features=...) builds them; backward and FP8 have none)
-FORWARD_FEATURES = frozenset({"window", "softcap", "sinks", "alibi"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,7 +68,7 @@ def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2
     (FP8: prepare_v_fp8's V^T), ``descale`` (3, batch, heads_kv) for FP8; ``ctas`` for a persistent kernel
     (default: the SM count). With ``tile.tail_split`` and no causal mask, ``plan`` (default:
     tail_split.plan for this shape) says which tiles run as pieces; their combine runs after the kernel.
-    ``scores``: a WINDOW/SOFTCAP kernel's trailing arguments (score_arguments; such a kernel runs every tile
+    ``scores``: a score-feature kernel's trailing arguments (score_arguments; such a kernel runs every tile
     whole). Returns the plan that ran (None: the kernel takes none)."""
     if ctas is None:
         ctas = max_ctas(q.device)
@@ -148,14 +137,14 @@ class CuteSm90Backend(Backend):
         if problem.head_dim_v != problem.head_dim:
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         kind = cc.KIND[problem.dtype]
-        features = (problem.mask.windowed, bool(problem.softcap), bool(problem.sinks), bool(problem.alibi))
-        if kind != "16bit" and any(features):
+        features = problem_features(problem)
+        if kind != "16bit" and any(features.values()):
             reasons.append(f"its {problem.dtype} kernel has no sliding window, softcap, sinks or ALiBi (the 16-bit ones do)")
         tile, why = variants.pick(kind, problem.head_dim)
         reasons += why
         if reasons:
             return None, reasons
-        return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal, *features), []
+        return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal, **features), []
 
     def _plan_backward(self, problem: Problem) -> Planned:
         reasons = []
@@ -209,10 +198,9 @@ class CuteSm90Backend(Backend):
                         raise ValueError("cute_sm90: " + "; ".join(why))  # the reason already says "head_dim N"
                     continue
                 out += [Sm90Variant(tile, cc.KIND[dtype], head_dim, dtype, flag) for flag in causal]
-                if cc.KIND[dtype] == "16bit":  # the feature sets it compiles in (build --features)
-                    out += [Sm90Variant(tile, "16bit", head_dim, dtype, flag, "window" in kinds, "softcap" in kinds,
-                                        "sinks" in kinds, "alibi" in kinds)
-                            for kinds in features if kinds and kinds <= FORWARD_FEATURES for flag in causal]
+                if cc.KIND[dtype] == "16bit":  # the feature sets it compiles in (build --features; not FP8)
+                    out += [Sm90Variant(tile, "16bit", head_dim, dtype, flag, **feature_flags(kinds))
+                            for kinds in features if kinds and kinds <= set(SCORE_FEATURES) for flag in causal]
                 back, _ = bwd_variants.pick(head_dim) if cc.KIND[dtype] == "16bit" else (None, ())
                 if back is not None:
                     modes = (False, True) if deterministic else (False,)

@@ -13,7 +13,7 @@ from ...codegen import Source
 from ...dispatch.problem import dtype_name
 from ...runtime import cute
 from ...runtime.triton_launch import launch
-from ..shared.cute_host import LOG2_E, CuteVariant, elements, tma_ready
+from ..shared.cute_host import LOG2_E, CuteVariant, elements, tma_ready, window_arguments
 from . import compile as cc
 from . import bwd_variants
 
@@ -38,8 +38,7 @@ class Sm90BwdVariant(CuteVariant):
 
     @property
     def module(self) -> str:
-        return (self.tile.module(self.head_dim) + ("_det" if self.deterministic else "")
-                + ("_window" if self.window else ""))
+        return self.tile.module(self.head_dim) + ("_det" if self.deterministic else "") + self.feature_suffix
 
     @property
     def source(self) -> Source:
@@ -50,7 +49,7 @@ class Sm90BwdVariant(CuteVariant):
 
     def describe(self) -> str:
         return (f"bwd {self.tile.describe()}" + (", dQ summed in key-block order" if self.deterministic else "")
-                + (" +window" if self.window else ""))
+                + self.feature_note)
 
 
 def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False):
@@ -189,8 +188,6 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     dq_order = torch.zeros((*q.shape[:2], blocks), dtype=torch.int32, device=q.device)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    bounds = ()
-    if variant.window:  # an unbounded side as seqlen_q + seqlen_k, which no row reaches
-        bounds = tuple(q.shape[2] + k.shape[2] if bound < 0 else bound for bound in window)
+    bounds = window_arguments(window, q.shape[2], k.shape[2]) if variant.window else ()
     variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dq_order, dk, dv, scale * LOG2_E, scale, *bounds)
     return dq_from_accumulator(dq_accum, q, scale), dk, dv

@@ -16,6 +16,26 @@ from ...runtime.cute import import_cutlass
 DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
 LOG2_E = 1.4426950408889634  # the kernels work in exp2: they take scale * log2(e)
 FACTORY = f"{__name__}:compile_arguments"  # what runtime.cute calls to trace a kernel of these backends
+# The score features a CuTe kernel compiles in as template flags (WINDOW, SOFTCAP, SINKS, ALIBI), in the order their
+# values follow the other arguments; a variant has a bool field of each name it can compile in.
+SCORE_FEATURES = ("window", "softcap", "sinks", "alibi")
+
+
+def feature_flags(kinds) -> dict[str, bool]:
+    """The variant fields (window=..., softcap=..., ...) for a feature set of `attnforge build --features`."""
+    return {f: f in kinds for f in SCORE_FEATURES}
+
+
+def problem_features(problem) -> dict[str, bool]:
+    """The variant fields (window=..., softcap=..., ...) a Problem asks for."""
+    return {"window": problem.mask.windowed, "softcap": bool(problem.softcap), "sinks": bool(problem.sinks),
+            "alibi": bool(problem.alibi)}
+
+
+def window_arguments(window_bounds: tuple[int, int], seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """A WINDOW kernel's (left, right) from the Mask's window_bounds (causal folded in, -1 unbounded): an unbounded
+    side as seqlen_q + seqlen_k, which no row reaches and no Int32 sum overflows on."""
+    return tuple(seqlen_q + seqlen_k if bound < 0 else bound for bound in window_bounds)
 
 
 def cute_build(source, dtype: str, causal: bool, arch: str, cache_name: str, factory: str = FACTORY) -> cute.CuteBuild:
@@ -38,8 +58,23 @@ class CuteVariant(Variant):
     def name(self) -> str:
         return f"{self.module}.{self.dtype}.{'causal' if self.causal else 'full'}"
 
+    @functools.cached_property
+    def features(self) -> tuple[str, ...]:
+        """The score features compiled in (SCORE_FEATURES' names, in order; cached: the forward's launch path asks)."""
+        return tuple(f for f in SCORE_FEATURES if getattr(self, f, False))
+
+    @property
+    def feature_suffix(self) -> str:
+        """What the features add to the module name: "_window_softcap", ..."""
+        return "".join(f"_{f}" for f in self.features)
+
+    @property
+    def feature_note(self) -> str:
+        """What the features add to describe(): " +window+softcap", ..."""
+        return f" +{'+'.join(self.features)}" if self.features else ""
+
     def describe(self) -> str:
-        return f"fwd {self.tile.describe()}"
+        return f"fwd {self.tile.describe()}{self.feature_note}"
 
     @functools.cached_property
     def build(self) -> cute.CuteBuild:
@@ -61,13 +96,12 @@ def score_arguments(variant, call, scale: float) -> tuple[tuple, float]:
     extra = ()
     scale_log2 = scale * LOG2_E
     if variant.window:
-        unbounded = call.q.shape[2] + call.k.shape[2]
-        extra = tuple(unbounded if bound < 0 else bound for bound in call.mask.window_bounds)
+        extra = window_arguments(call.mask.window_bounds, call.q.shape[2], call.k.shape[2])
     if variant.softcap:
         extra, scale_log2 = (*extra, scale / call.softcap), call.softcap * LOG2_E
-    if getattr(variant, "sinks", False):
+    if variant.sinks:
         extra = (*extra, call.sinks.detach().float().contiguous())
-    if getattr(variant, "alibi", False):
+    if variant.alibi:
         extra = (*extra, call.alibi_slopes * (-1.0 / (call.softcap if variant.softcap else scale)))
     return extra, scale_log2
 
@@ -115,8 +149,9 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
     the descales (3, batch, heads_kv) in fp32, then scale_log2, with ``takes_max_ctas`` the Int32 CTA count a
     persistent kernel may launch (cute_sm90's take it; pass the SM count), with ``tail_split`` the pieces'
     fp32 workspaces (pieces, tile_m, head_dim) and (pieces, tile_m) and two Int32 counts (see cute_sm90/tail_split.py),
-    with ``window`` the Int32 window bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, with ``sinks``
-    the fp32 sink logits (heads_q,), with ``alibi`` the fp32 slopes (batch, heads_q), and the stream. FP8's v is V^T (batch, heads_kv, head_dim, seqlen_k padded to 32): see cute_sm90/v_layout.py."""
+    with ``window`` the Int32 window bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, with
+    ``sinks`` the fp32 sink logits (heads_q,), with ``alibi`` the fp32 slopes (batch, heads_q), and the stream.
+    FP8's v is V^T (batch, heads_kv, head_dim, seqlen_k padded to 32): see cute_sm90/v_layout.py."""
     cutlass = import_cutlass(arch)
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -157,10 +192,10 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
 def compile_arguments(module, dtype: str, causal: bool, arch: str):
     """runtime.cute's factory for these backends' kernels: the generated module's Forward for (dtype, causal)
     and the fake arguments it is traced with (the module says whether it takes the CTA count and the tail
-    split's workspaces and the score features' values: MAX_CTAS_ARGUMENT, TAIL_SPLIT, WINDOW, SOFTCAP)."""
+    split's workspaces and the score features' values: MAX_CTAS_ARGUMENT, TAIL_SPLIT, WINDOW, SOFTCAP, SINKS,
+    ALIBI)."""
     element, out_element = elements(dtype, arch)
     args = fake_arguments(dtype, getattr(module, "INPUT_HEAD_DIM", module.HEAD_DIM), arch, takes_max_ctas=getattr(module, "MAX_CTAS_ARGUMENT", False),
-                          tail_split=getattr(module, "TAIL_SPLIT", False), window=getattr(module, "WINDOW", False),
-                          softcap=getattr(module, "SOFTCAP", False), sinks=getattr(module, "SINKS", False),
-                          alibi=getattr(module, "ALIBI", False))
+                          tail_split=getattr(module, "TAIL_SPLIT", False),
+                          **{f: getattr(module, f.upper(), False) for f in SCORE_FEATURES})
     return module.Forward(element, out_element, causal), args
