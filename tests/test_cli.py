@@ -202,7 +202,8 @@ def test_explain_takes_varlen(capsys):
     assert main(["explain", "--device", "H100", "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "4096",
                  "--batch", "12", "--varlen", "--needs-grad", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["forward"]["backend"] == d["backward"]["backend"] == "triton_fa2" and "varlen" in d["forward"]["variant"]
+    assert d["forward"]["backend"] == "cute_sm90" and "varlen" in d["forward"]["variant"]
+    assert d["backward"]["backend"] == "triton_fa2" and "varlen" in d["backward"]["variant"]
     assert "varlen" in d["problem"]
 
 

@@ -144,11 +144,12 @@ def test_per_head_alibi_slopes_are_every_sequence_s(gen):
         attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, alibi_slopes=slopes.expand(4, 4))
 
 
-@pytest.mark.parametrize("device,forward", [("H100", "triton_fa2"), ("A100", "triton_fa2"), ("MI300X", "triton_rocm"),
+@pytest.mark.parametrize("device,forward", [("H100", "cute_sm90"), ("A100", "triton_fa2"), ("MI300X", "triton_rocm"),
                                             ("cpu", "sdpa")])
 def test_a_packed_batch_is_one_decision(device, forward):
     """One Decision for the whole packed batch: the Triton backends' VARLEN kernels where they serve (one launch,
-    forward and backward), the CuTe kernels passed over with the reason, sdpa one sequence at a time on the CPU."""
+    forward and backward), on Hopper cute_sm90's packed forward with triton_fa2's VARLEN backward (cute_sm90's
+    backward says why not), sdpa one sequence at a time on the CPU."""
     d = attnforge.explain(device=device, dtype="bf16", head_dim=128, seqlen_q=1000, batch=8, causal=True,
                           needs_grad=True, varlen=True)
     assert d.ok and d.problem.varlen and "varlen" in d.problem.describe()
@@ -157,18 +158,23 @@ def test_a_packed_batch_is_one_decision(device, forward):
         assert d.forward.variant.varlen and d.backward.variant.varlen and d.backward.backend == forward
         assert "+varlen" in d.forward.variant.describe() and d.forward.variant.tile.loads == "pointer"
     if device == "H100":
-        (why,) = d.forward.reasons_of("cute_sm90")
-        assert why == "a packed variable-length batch (cu_seqlens) is not supported (it has no varlen kernel)"
+        assert d.forward.variant.varlen and "packed (varlen)" in d.forward.variant.describe()
+        assert d.backward.backend == "triton_fa2" and d.backward.variant.varlen
+        (why,) = d.backward.reasons_of("cute_sm90")
+        assert why == "its backward takes no packed (varlen) batch (the forward does)"
     assert all(c.evidence in ("", "unmeasured") for c in d.forward.candidates)  # cost tables time no packed batch
 
 
 def test_a_forced_backend_without_a_varlen_kernel_says_why():
-    d = attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=1000, batch=8, varlen=True,
+    d = attnforge.explain(device="H100", dtype="fp8", head_dim=128, seqlen_q=1000, batch=8, varlen=True,
                           backend="cute_sm90")
+    assert not d.ok and "takes no packed (varlen) batch" in str(d)
+    d = attnforge.explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=1000, batch=8, varlen=True,
+                          backend="cute_sm100")
     assert not d.ok and "packed variable-length batch" in str(d)
     q, k, v, cu_q, cu_k = packed(torch.Generator().manual_seed(0), LENGTHS_Q, LENGTHS_K)
     with pytest.raises(attnforge.BackendUnavailableError, match="packed variable-length batch"):
-        attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, backend="cute_sm90")
+        attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, backend="cute_sm100")
 
 
 def test_the_lse_is_differentiable(gen):

@@ -25,6 +25,7 @@ from ..shared.inputs import TINY_SCALE, nonnegative_scale
 from . import compile as cc
 from . import backward as bwd
 from . import bwd_variants, tail_split, variants
+from .varlen import tile_table
 from .v_layout import aot_build, prepare_v_fp8
 
 
@@ -32,7 +33,8 @@ from .v_layout import aot_build, prepare_v_fp8
 class Sm90Variant(CuteVariant):
     """One compiled cute_sm90 forward: a tile of the table for an input kind and head dim, compiled for a
     dtype and causality (``kernel``: the compiled callable); ``window``, ``softcap``, ``sinks`` and ``alibi``
-    compile the template's WINDOW, SOFTCAP, SINKS and ALIBI in (their values are the call's)."""
+    compile the template's WINDOW, SOFTCAP, SINKS and ALIBI in (their values are the call's), ``varlen`` its VARLEN
+    (a packed batch)."""
 
     tile: variants.Sm90FwdTile
     kind: str
@@ -43,16 +45,20 @@ class Sm90Variant(CuteVariant):
     softcap: bool = False
     sinks: bool = False
     alibi: bool = False
+    varlen: bool = False
     compile_module = cc
 
     @property
     def module(self) -> str:
-        return self.tile.module(self.head_dim, self.kind) + self.feature_suffix
+        return self.tile.module(self.head_dim, self.kind) + self.feature_suffix + ("_varlen" if self.varlen else "")
 
     @property
     def source(self) -> Source:
         return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind, self.window, self.softcap, self.sinks,
-                                                       self.alibi), self.module)
+                                                       self.alibi, self.varlen), self.module)
+
+    def describe(self) -> str:
+        return super().describe() + (" packed (varlen)" if self.varlen else "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,8 +74,8 @@ def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2
     (FP8: prepare_v_fp8's V^T), ``descale`` (3, batch, heads_kv) for FP8; ``ctas`` for a persistent kernel
     (default: the SM count). With ``tile.tail_split`` and no causal mask, ``plan`` (default:
     tail_split.plan for this shape) says which tiles run as pieces; their combine runs after the kernel.
-    ``scores``: a score-feature kernel's trailing arguments (score_arguments; such a kernel runs every tile
-    whole). Returns the plan that ran (None: the kernel takes none)."""
+    ``scores``: the trailing arguments of a packed (VARLEN) kernel (offsets and tile table) and of a score-feature
+    kernel (score_arguments), in that order; such kernels run every tile whole. Returns the plan that ran (None: the kernel takes none)."""
     if ctas is None:
         ctas = max_ctas(q.device)
     if not tile.tail_split:  # (the launch path of every call: kept to one branch and the call)
@@ -94,6 +100,14 @@ def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2
     if plan.tail_tiles:
         tail_split.combine(plan, o_part, lse_part, out, lse, tile.tile_m)
     return plan
+
+
+def packed_arguments(variant: Sm90Variant, packed) -> tuple:
+    """A VARLEN kernel's offsets and tile table for a call's Varlen (its host offsets, read once)."""
+    bounds_q, bounds_k = packed.bounds()
+    tiles = tile_table(bounds_q, bounds_k, variant.tile.tile_m, variant.tile.tile_n, variant.causal,
+                              packed.cu_seqlens_q.device)
+    return packed.cu_seqlens_q, packed.cu_seqlens_k, tiles
 
 
 def score_descale(descale: torch.Tensor, scale_log2: float) -> tuple[torch.Tensor, float]:
@@ -125,6 +139,7 @@ class CuteSm90Backend(Backend):
         softcap=True,  # SOFTCAP forward kernels (16-bit); the backward refuses it (_plan_backward)
         sinks=True,  # SINKS forward kernels (16-bit); the backward needs nothing (P from the LSE, which counts it)
         alibi=True,  # ALIBI forward kernels (16-bit); the backward refuses it (_plan_backward)
+        varlen=True,  # VARLEN forward kernels (16-bit); the backward refuses it (_plan_backward: triton_fa2's runs it)
         nondeterministic_backward="dQ is summed by TMA reduce-add in the order the CTAs reach it",
         deterministic_backward="dQ summed in key-block order",
     )
@@ -140,11 +155,14 @@ class CuteSm90Backend(Backend):
         features = problem_features(problem)
         if kind != "16bit" and any(features.values()):
             reasons.append(f"its {problem.dtype} kernel has no sliding window, softcap, sinks or ALiBi (the 16-bit ones do)")
+        if kind != "16bit" and problem.varlen:
+            reasons.append(f"its {problem.dtype} kernel takes no packed (varlen) batch (the 16-bit ones do)")
         tile, why = variants.pick(kind, problem.head_dim)
         reasons += why
         if reasons:
             return None, reasons
-        return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal, **features), []
+        return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal, **features,
+                           varlen=problem.varlen), []
 
     def _plan_backward(self, problem: Problem) -> Planned:
         reasons = []
@@ -154,6 +172,8 @@ class CuteSm90Backend(Backend):
             reasons.append(f"the backward takes fp16 or bf16, not {problem.dtype}")
         if problem.softcap or problem.alibi:
             reasons.append("its backward has no softcap or ALiBi (the forward has)")
+        if problem.varlen:
+            reasons.append("its backward takes no packed (varlen) batch (the forward does)")
         if problem.mask.windowed and problem.deterministic:
             reasons.append("its deterministic backward has no sliding window (the default one has)")
         tile, why = bwd_variants.pick(problem.head_dim)
@@ -199,8 +219,9 @@ class CuteSm90Backend(Backend):
                     continue
                 out += [Sm90Variant(tile, cc.KIND[dtype], head_dim, dtype, flag) for flag in causal]
                 if cc.KIND[dtype] == "16bit":  # the feature sets it compiles in (build --features; not FP8)
-                    out += [Sm90Variant(tile, "16bit", head_dim, dtype, flag, **feature_flags(kinds))
-                            for kinds in features if kinds and kinds <= set(SCORE_FEATURES) for flag in causal]
+                    out += [Sm90Variant(tile, "16bit", head_dim, dtype, flag, **feature_flags(kinds),
+                                        varlen="varlen" in kinds)
+                            for kinds in features if kinds and kinds <= {*SCORE_FEATURES, "varlen"} for flag in causal]
                 back, _ = bwd_variants.pick(head_dim) if cc.KIND[dtype] == "16bit" else (None, ())
                 if back is not None:
                     modes = (False, True) if deterministic else (False,)
@@ -219,6 +240,8 @@ class CuteSm90Backend(Backend):
         q, k = tma_ready(q), tma_ready(call.k)
         lse = lse_like(q.shape[:3], q.device)
         scores, scale_log2 = score_arguments(variant, call, scale) if variant.features else ((), scale * LOG2_E)
+        if variant.varlen:
+            scores = (*packed_arguments(variant, call.varlen), *scores)
         if variant.dtype == "fp8":
             out = torch.empty_like(q, dtype=torch.bfloat16)
             descale = call.descale

@@ -72,12 +72,12 @@ class Sm90FwdTile:
                 f"{'_to' if self.tma_store else ''}")
 
     def params(self, head_dim: int, kind: str = "16bit", window: bool = False, softcap: bool = False,
-               sinks: bool = False, alibi: bool = False) -> dict:
-        """The template's parameters; ``window``, ``softcap``, ``sinks`` and ``alibi`` compile in its WINDOW,
-        SOFTCAP, SINKS and ALIBI."""
+               sinks: bool = False, alibi: bool = False, varlen: bool = False) -> dict:
+        """The template's parameters; ``window``, ``softcap``, ``sinks``, ``alibi`` and ``varlen`` compile in its
+        WINDOW, SOFTCAP, SINKS, ALIBI and VARLEN."""
         return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": padded_head_dim(head_dim, kind),
                 "kind": kind, "o_in_q": self.o_in_q(head_dim, kind), "window": window, "softcap": softcap,
-                "sinks": sinks, "alibi": alibi}
+                "sinks": sinks, "alibi": alibi, "varlen": varlen}
 
     def o_in_q(self, head_dim: int, kind: str = "16bit") -> bool:
         """Whether tma_store stages O in Q's buffer (O_IN_Q in the template): each consumer warpgroup writes its 64

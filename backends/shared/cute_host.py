@@ -143,12 +143,14 @@ def elements(dtype: str, arch: str):
 
 def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = False,
                    tail_split: bool = False, window: bool = False, softcap: bool = False, sinks: bool = False,
-                   alibi: bool = False):
+                   alibi: bool = False, varlen: bool = False):
     """Fake arguments for cute.compile: q, k, v, out (batch, heads, seqlen, head_dim) with symbolic sizes
     and strides (16-byte aligned rows, as TMA needs), fp32 LSE (batch, heads, seqlen), then for FP8
     the descales (3, batch, heads_kv) in fp32, then scale_log2, with ``takes_max_ctas`` the Int32 CTA count a
     persistent kernel may launch (cute_sm90's take it; pass the SM count), with ``tail_split`` the pieces'
     fp32 workspaces (pieces, tile_m, head_dim) and (pieces, tile_m) and two Int32 counts (see cute_sm90/tail_split.py),
+    with ``varlen`` the int32 offsets cu_seqlens_q and cu_seqlens_k (batch + 1,) and the tile table (tiles, 2) (see
+    cute_sm90/varlen.py),
     with ``window`` the Int32 window bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, with
     ``sinks`` the fp32 sink logits (heads_q,), with ``alibi`` the fp32 slopes (batch, heads_q), and the stream.
     FP8's v is V^T (batch, heads_kv, head_dim, seqlen_k padded to 32): see cute_sm90/v_layout.py."""
@@ -175,6 +177,9 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
                                   assumed_align=16),
                  make_fake_tensor(cutlass.Float32, (pieces, rows), (cute.sym_int64(), 1), assumed_align=4),
                  cutlass.Int32(1), cutlass.Int32(1))
+    if varlen:
+        split += tuple(make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4) for _ in range(2))
+        split += (make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),)
     scores = ((cutlass.Int32(1), cutlass.Int32(1)) if window else ()) + ((cutlass.Float32(1.0),) if softcap else ())
     if sinks:
         scores += (make_fake_tensor(cutlass.Float32, (heads_q,), (1,), assumed_align=4),)
@@ -192,10 +197,10 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
 def compile_arguments(module, dtype: str, causal: bool, arch: str):
     """runtime.cute's factory for these backends' kernels: the generated module's Forward for (dtype, causal)
     and the fake arguments it is traced with (the module says whether it takes the CTA count and the tail
-    split's workspaces and the score features' values: MAX_CTAS_ARGUMENT, TAIL_SPLIT, WINDOW, SOFTCAP, SINKS,
-    ALIBI)."""
+    split's workspaces, a packed batch's offsets and tile table and the score features' values: MAX_CTAS_ARGUMENT,
+    TAIL_SPLIT, VARLEN, WINDOW, SOFTCAP, SINKS, ALIBI)."""
     element, out_element = elements(dtype, arch)
     args = fake_arguments(dtype, getattr(module, "INPUT_HEAD_DIM", module.HEAD_DIM), arch, takes_max_ctas=getattr(module, "MAX_CTAS_ARGUMENT", False),
-                          tail_split=getattr(module, "TAIL_SPLIT", False),
+                          tail_split=getattr(module, "TAIL_SPLIT", False), varlen=getattr(module, "VARLEN", False),
                           **{f: getattr(module, f.upper(), False) for f in SCORE_FEATURES})
     return module.Forward(element, out_element, causal), args
