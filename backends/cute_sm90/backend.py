@@ -25,7 +25,7 @@ from ..shared.inputs import TINY_SCALE, nonnegative_scale
 from . import compile as cc
 from . import backward as bwd
 from . import bwd_variants, tail_split, variants
-from .varlen import tile_table
+from .varlen import tables as tile_tables
 from .v_layout import aot_build, prepare_v_fp8
 
 
@@ -103,10 +103,11 @@ def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2
 
 
 def packed_arguments(variant: Sm90Variant, packed) -> tuple:
-    """A VARLEN kernel's offsets and tile table for a call's Varlen (its host offsets, read once)."""
+    """A VARLEN kernel's offsets and tile table for a call's Varlen (its host offsets, read once; the table is cached
+    per offsets: varlen.tables)."""
     bounds_q, bounds_k = packed.bounds()
-    tiles = tile_table(bounds_q, bounds_k, variant.tile.tile_m, variant.tile.tile_n, variant.causal,
-                              packed.cu_seqlens_q.device)
+    tiles = tile_tables(bounds_q, bounds_k, variant.tile.tile_m, variant.tile.tile_n, variant.causal,
+                        packed.cu_seqlens_q.device)
     return packed.cu_seqlens_q, packed.cu_seqlens_k, tiles
 
 

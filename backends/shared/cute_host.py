@@ -183,8 +183,9 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
     scores = ((cutlass.Int32(1), cutlass.Int32(1)) if window else ()) + ((cutlass.Float32(1.0),) if softcap else ())
     if sinks:
         scores += (make_fake_tensor(cutlass.Float32, (heads_q,), (1,), assumed_align=4),)
-    if alibi:
-        scores += (make_fake_tensor(cutlass.Float32, (batch, heads_q), (cute.sym_int64(), 1), assumed_align=4),)
+    if alibi:  # (a row per sequence: with varlen q's batch is 1 and the sequences are the offsets')
+        rows = cute.sym_int32() if varlen else batch
+        scores += (make_fake_tensor(cutlass.Float32, (rows, heads_q), (cute.sym_int64(), 1), assumed_align=4),)
     tail = (cutlass.Float32(1.0), *max_ctas, *split, *scores, make_fake_stream(use_tvm_ffi_env_stream=True))
     if dtype != "fp8":
         return (q, k, tensor(element, batch, heads_kv, seqlen_k, head_dim), out, lse, *tail)

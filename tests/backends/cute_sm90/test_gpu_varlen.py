@@ -72,7 +72,9 @@ def test_packed_forward_matches_fp64_per_sequence(case, dtype, head_dim, gen, po
                                          alibi_slopes=alibi, dout=bhsd[3] if grad else None)
         peer, peer_grads = peer_error(*bhsd[:3], mask=mask, scale=scale, softcap=cap, sinks=sinks, alibi_slopes=alibi,
                                       dout=bhsd[3] if grad else None)
-        ulps = 4 * math.sqrt(max(rows.stop - rows.start, keys.stop - keys.start, head_dim))
+        # (floored at 128 keys: the kernel's exp2, log2 and tanh are MUFU approximations whose error does not shrink
+        # with a short sequence; 128 is below the dense feature tests' shortest bound)
+        ulps = 4 * math.sqrt(max(rows.stop - rows.start, keys.stop - keys.start, head_dim, 128))
         assert_close(f"out[{b}]", out[rows].transpose(0, 1).unsqueeze(0), ref, peer, ulps=ulps)
         assert_close(f"lse[{b}]", lse[:, rows].unsqueeze(0), ref_lse, ref_lse.float(), ulps=ulps)
         if grad:
