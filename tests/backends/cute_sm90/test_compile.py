@@ -121,6 +121,36 @@ def test_feature_variant_compiles_with_one_tanh_per_score_and_no_more_spills(tmp
     assert usage["stack_bytes"] <= allowed and usage["local_bytes"] == 0, usage
 
 
+# `attnforge build --features varlen,varlen+window+softcap+sinks+alibi` for bf16: the packed (VARLEN) forwards, one per
+# tile family (d=8: a padded head dim)
+VARLEN = [v for v in registered()["cute_sm90"].variants(dtypes=("bf16",), head_dims=(8, 64, 96, 128, 192, 256),
+                                                        features=(frozenset({"varlen"}), EVERY_FEATURE | {"varlen"}))
+          if isinstance(v, Sm90Variant) and v.varlen]
+# measured here (stack bytes): d=64's causal kernel keeps 24 (16 without VARLEN), with every feature 136 as without
+VARLEN_SPILL_BYTES = {64: 24}
+
+
+def test_build_features_varlen_gives_the_packed_forwards():
+    assert len(VARLEN) == 6 * 2 * 2 and all(v.kind == "16bit" and "_varlen" in v.module for v in VARLEN)
+    fp8 = registered()["cute_sm90"].variants(dtypes=("fp8",), features=(frozenset({"varlen"}),))
+    assert fp8 and not any(getattr(v, "varlen", False) for v in fp8)
+
+
+@pytest.mark.parametrize("variant", VARLEN, ids=[v.name for v in VARLEN])
+def test_varlen_variant_compiles_with_tma_loads_and_both_stores(tmp_path, variant):
+    """One CTA per tile (no persistent loop), TMA loads from each sequence's offset, and O stored by TMA where a
+    warpgroup's rows end inside the sequence, from registers (STG) where they cross its end."""
+    cute.compile_to(variant.build, str(tmp_path))
+    (cubin,) = tmp_path.glob("*.sm_90a.cubin")
+    sass = cuobjdump("-sass", str(cubin))
+    assert re.search(r"\bHGMMA\.", sass) and re.search(r"\bUTMALDG\.", sass)
+    assert re.search(r"\bUTMASTG\.", sass) and re.search(r"\bSTG\.E\.(?:U16|64|128)?", sass)
+    usage = resources(cubin.read_bytes())
+    allowed = max(variant.tile.accepted_spill_bytes, FEATURE_SPILL_BYTES.get(variant.head_dim, 0) if variant.features
+                  else VARLEN_SPILL_BYTES.get(variant.head_dim, 0))
+    assert usage["stack_bytes"] <= allowed and usage["local_bytes"] == 0, usage
+
+
 # `attnforge build --features window`: the backward's WINDOW kernels, bf16, both head dims and causalities
 WINDOW_BWD = [v for v in registered()["cute_sm90"].variants(dtypes=("bf16",), features=(frozenset({"window"}),))
               if isinstance(v, Sm90BwdVariant) and v.window]
