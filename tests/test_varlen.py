@@ -274,3 +274,27 @@ def test_autocast_runs_the_autocast_dtype(gen):
     assert out.dtype == torch.bfloat16 and attnforge.last_decision().problem.dtype == "bf16"
     grads = torch.autograd.grad(out.float().sum(), (q, k, v))
     assert all(g.dtype == torch.float32 and g.isfinite().all() for g in grads)
+
+
+def test_offsets_are_read_once_per_tensor_and_again_after_a_change(gen):
+    """The host copy of the offsets is kept per tensor (a model's layers share one, and only the first waits for the
+    device); an in-place change through torch bumps the tensor's version, and the next call reads it again."""
+    from attnforge import varlen
+
+    q, k, v, cu_q, cu_k = packed(gen, LENGTHS_Q, LENGTHS_K)
+    first = attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40)
+    read = varlen._host_offsets(cu_q, cu_k)
+    assert varlen._host_offsets(cu_q, cu_k) is read and read == (tuple(cu_q.tolist()), tuple(cu_k.tolist()))
+    # move a query row from sequence 3 to sequence 4 (its keys stay): a different batch, read again
+    cu_q[4] -= 1
+    again = varlen._host_offsets(cu_q, cu_k)
+    assert again is not read and again[0] == tuple(cu_q.tolist())
+    second = attnforge.attention_varlen(q, k, v, cu_q, cu_k, 114, 40)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(LENGTHS_Q)):
+        rows, keys = slice(bq[b], bq[b + 1]), slice(bk[b], bk[b + 1])
+        one = attnforge.attention(q[rows][None], k[keys][None], v[keys][None], layout="bshd")[0]
+        torch.testing.assert_close(second[rows], one)
+    assert not torch.equal(first, second)
+    copy = cu_q.clone()  # equal offsets in another tensor: read for that tensor
+    assert varlen._host_offsets(copy, cu_k) == again and varlen._host_offsets(copy, cu_k) is not again
