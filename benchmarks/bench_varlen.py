@@ -9,7 +9,7 @@ of 4 * heads_q * seqlen_q * seqlen_k * head_dim, halved when causal (forward+bac
 batch of equal sequences (the mean length, rounded to 128) with the same token count. Outputs are checked against
 fp32 math per sequence first.
 
-    python benchmarks/bench_varlen.py --json out.json [--rounds 3] [--head-dim 64,128]
+    python benchmarks/bench_varlen.py --json out.json [--rounds 3] [--head-dim 64,128] [--mode fwd]
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--head-dim", default="128,64")
+    parser.add_argument("--mode", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both (comma-separated)")
     args = parser.parse_args(argv)
     import attnforge
     from attnforge.bench.measure import interleaved_ms
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
     for d in map(int, args.head_dim.split(",")):
         heads = 2048 // d
         for causal in (True, False):
-            for mode in ("fwd", "fwd+bwd"):
+            for mode in args.mode.split(","):
                 fns, inputs = runners(seqs, heads, d, causal, gen, mode)
                 error = check(inputs, causal)
                 decision = attnforge.last_decision()
