@@ -4,32 +4,43 @@ the time the self-checks took inside the first (attnforge.dispatch.selfcheck.cos
 configuration, with ATTNFORGE_CACHE_DIR pointing at a copy of a built cache (and ATTNFORGE_SELFCHECK=0 to leave
 the checks out).
 
-    python benchmarks/first_call.py LABEL [BACKEND]      (BACKEND default cute_sm90)
+    python benchmarks/first_call.py LABEL [--backend cute_sm90]
 """
 
+import argparse
 import sys
 import time
 
-t0 = time.perf_counter()
-import torch  # noqa: E402
 
-torch.cuda.init()
-torch.empty(1, device="cuda")
-t1 = time.perf_counter()
-import attnforge  # noqa: E402
-from attnforge.dispatch import selfcheck  # noqa: E402
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("label", help="names this configuration in the printed line")
+    parser.add_argument("--backend", default="cute_sm90")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    import torch
 
-t2 = time.perf_counter()
-label, backend = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "cute_sm90")
-q, k, v = (torch.randn(2, 16, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-torch.cuda.synchronize()
-t3 = time.perf_counter()
-attnforge.attention(q, k, v, causal=True, backend=backend)
-torch.cuda.synchronize()
-t4 = time.perf_counter()
-attnforge.attention(q, k, v, causal=True, backend=backend)
-torch.cuda.synchronize()
-t5 = time.perf_counter()
-checks = sum(s for _, s in selfcheck.costs)
-print(f"{label}: torch+cuda {t1 - t0:.2f} s, import attnforge {t2 - t1:.2f} s, first call {t4 - t3:.3f} s, "
-      f"second {t5 - t4:.4f} s, self-checks {checks:.3f} s {[(key[:40], round(s, 3)) for key, s in selfcheck.costs]}")
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    t1 = time.perf_counter()
+    import attnforge
+    from attnforge.dispatch import selfcheck
+
+    t2 = time.perf_counter()
+    q, k, v = (torch.randn(2, 16, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        attnforge.attention(q, k, v, causal=True, backend=args.backend)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    checks = sum(s for _, s in selfcheck.costs)
+    print(f"{args.label}: torch+cuda {t1 - t0:.2f} s, import attnforge {t2 - t1:.2f} s, first call {times[0]:.3f} s, "
+          f"second {times[1]:.4f} s, self-checks {checks:.3f} s "
+          f"{[(key[:40], round(s, 3)) for key, s in selfcheck.costs]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
