@@ -86,15 +86,15 @@ def patch(source: str, trace_m: int, trace_h: int) -> str:
         f"            mLSE[trace_base + n_block * {EVENTS} + event, 0, 0] = Float32(cute.arch.clock() - t0)\n\n"
         "    @cute.jit\n    def to_p_operand(")
     # the producer (one thread): its own base after the consumer warpgroups'; mLSE passed down through load_tile
-    sub("                  q_state, kv_state, seqlen_q, seqlen_k, split, scores):\n",
-        "                  q_state, kv_state, seqlen_q, seqlen_k, split, scores, mLSE):\n")
-    sub("seqlen_q, seqlen_k,\n                                                           split, scores)\n",
-        "seqlen_q, seqlen_k,\n                                                           split, scores, mLSE)\n")
-    sub("pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k, split, scores)\n",
-        "pipe_q, pipe_k, pipe_v, q_state, kv_state, seqlen_q, seqlen_k, split, scores, mLSE)\n")
-    sub("batch, n_block_min, n_block_max)\n", "batch, n_block_min, n_block_max, mLSE)\n")
-    sub("             m_block, head, head_kv, batch, n_block_min, n_block_max):\n",
-        "             m_block, head, head_kv, batch, n_block_min, n_block_max, mLSE):\n")
+    sub("                  q_state, kv_state, split, packed, scores):\n",
+        "                  q_state, kv_state, split, packed, scores, mLSE):\n")
+    sub("split, packed,\n                                                           scores)\n",
+        "split, packed,\n                                                           scores, mLSE)\n")
+    sub("pipe_q, pipe_k, pipe_v, q_state, kv_state, split, packed, scores)\n",
+        "pipe_q, pipe_k, pipe_v, q_state, kv_state, split, packed, scores, mLSE)\n")
+    sub("batch, q_offset, k_offset, n_block_min, n_block_max)\n", "batch, q_offset, k_offset, n_block_min, n_block_max, mLSE)\n")
+    sub("             m_block, head, head_kv, batch, q_offset, k_offset, n_block_min, n_block_max):\n",
+        "             m_block, head, head_kv, batch, q_offset, k_offset, n_block_min, n_block_max, mLSE):\n")
     loads = '        """One tile\'s TMA loads: Q, then K and V block by block; returns the K/V pipeline state after them."""\n'
     sub(loads, loads + _trace_start(trace_m, trace_h, "True", str(PRODUCER_BASE)))
     for text, event in (("            pipe_k.producer_acquire(kv_state)\n", 0), ("            pipe_v.producer_acquire(kv_state)\n", 2)):
@@ -102,7 +102,7 @@ def patch(source: str, trace_m: int, trace_h: int) -> str:
     for text, event in (("tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))\n", 1),
                         ("tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))\n", 3)):
         sub(text, text + f"            self.trace(mLSE, trace_base, n_block, {event}, t0)\n")
-    sub("                    mLSE[row, head, batch] = lse[r]\n", "                    pass  # the LSE tensor holds the trace\n")
+    sub("                        mLSE[row, head, batch] = lse[r]\n", "                        pass  # the LSE tensor holds the trace\n")
     return source
 
 

@@ -67,7 +67,8 @@ def main(argv=None) -> int:
             row["attention_varlen ms"] = time_ms(call, cuda, 25, 200)[0]
             row["backend.forward ms (decided call)"] = time_ms(lambda: backend.forward(variant, prepared), cuda, 25, 200)[0]
             if getattr(variant, "varlen", False) and decision.forward.backend == "cute_sm90":
-                from attnforge.backends.cute_sm90.backend import packed_arguments, run_kernel
+                from attnforge.backends.cute_sm90.backend import run_kernel
+                from attnforge.backends.shared.cute_varlen import packed_arguments
                 from attnforge.backends.shared.cute_host import LOG2_E, lse_like
                 extra = packed_arguments(variant, prepared.varlen)
                 out, lse = torch.empty_like(prepared.q), lse_like(prepared.q.shape[:3], q.device)

@@ -18,6 +18,7 @@ from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
 from ..shared.cute_host import (LOG2_E, SCORE_FEATURES, CuteVariant, feature_flags, lse_like, problem_features,
                                 score_arguments, stack_missing, tma_ready)
+from ..shared.cute_varlen import packed_arguments
 from ..shared.inputs import nonnegative_scale
 from . import compile as cc
 from . import variants
@@ -27,7 +28,7 @@ from . import variants
 class Sm100Variant(CuteVariant):
     """One compiled cute_sm100 forward: a tile for a head dim, compiled for a dtype and causality; ``window``,
     ``softcap``, ``sinks`` and ``alibi`` compile the template's WINDOW, SOFTCAP, SINKS and ALIBI in (their values
-    are the call's)."""
+    are the call's), ``varlen`` its VARLEN (a packed batch)."""
 
     tile: variants.Sm100FwdTile
     head_dim: int
@@ -37,6 +38,7 @@ class Sm100Variant(CuteVariant):
     softcap: bool = False
     sinks: bool = False
     alibi: bool = False
+    varlen: bool = False
     compile_module = cc
 
     @property
@@ -45,8 +47,8 @@ class Sm100Variant(CuteVariant):
 
     @property
     def source(self) -> Source:
-        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.window, self.softcap, self.sinks, self.alibi),
-                         self.module)
+        return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.window, self.softcap, self.sinks, self.alibi,
+                                                       self.varlen), self.module)
 
 
 class CuteSm100Backend(Backend):
@@ -64,6 +66,7 @@ class CuteSm100Backend(Backend):
         softcap=True,  # SOFTCAP kernels
         sinks=True,  # SINKS kernels (dsinks comes from the output and LSE)
         alibi=True,  # ALIBI kernels
+        varlen=True,  # VARLEN kernels (a packed batch; triton_fa2's VARLEN backward follows them)
     )
 
     def available(self) -> list[str]:
@@ -77,7 +80,8 @@ class CuteSm100Backend(Backend):
         reasons += why
         if reasons:
             return None, reasons
-        return Sm100Variant(tile, problem.head_dim, problem.dtype, problem.causal, **problem_features(problem)), []
+        return Sm100Variant(tile, problem.head_dim, problem.dtype, problem.causal, **problem_features(problem),
+                            varlen=problem.varlen), []
 
     def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
                  deterministic=False, features=()) -> list[Sm100Variant]:
@@ -94,8 +98,8 @@ class CuteSm100Backend(Backend):
                         raise ValueError("cute_sm100: " + "; ".join(why))  # the reason already says "head_dim N"
                     continue
                 out += [Sm100Variant(tile, head_dim, dtype, flag) for flag in causal]
-                out += [Sm100Variant(tile, head_dim, dtype, flag, **feature_flags(kinds))
-                        for kinds in features if kinds and kinds <= set(SCORE_FEATURES) for flag in causal]
+                out += [Sm100Variant(tile, head_dim, dtype, flag, **feature_flags(kinds), varlen="varlen" in kinds)
+                        for kinds in features if kinds and kinds <= {*SCORE_FEATURES, "varlen"} for flag in causal]
         return out
 
     def builds(self, variant: Sm100Variant) -> list:
@@ -107,5 +111,7 @@ class CuteSm100Backend(Backend):
         out = torch.empty_like(q)
         lse = lse_like(q.shape[:3], q.device)
         scores, scale_log2 = score_arguments(variant, call, scale) if variant.features else ((), scale * LOG2_E)
+        if variant.varlen:
+            scores = (*packed_arguments(variant, call.varlen), *scores)
         variant.kernel(q, k, v, out, lse, scale_log2, *scores)
         return out, lse

@@ -38,11 +38,11 @@ class Sm100FwdTile:
         return max(32, 1 << (needed - 1).bit_length())
 
     def params(self, head_dim: int, window: bool = False, softcap: bool = False, sinks: bool = False,
-               alibi: bool = False) -> dict:
-        """The template's parameters; ``window``, ``softcap``, ``sinks`` and ``alibi`` compile in its WINDOW,
-        SOFTCAP, SINKS and ALIBI."""
+               alibi: bool = False, varlen: bool = False) -> dict:
+        """The template's parameters; ``window``, ``softcap``, ``sinks``, ``alibi`` and ``varlen`` compile in its
+        WINDOW, SOFTCAP, SINKS, ALIBI and VARLEN."""
         return {**dataclasses.asdict(self), "head_dim": head_dim, "tmem_columns": self.tmem_columns(head_dim),
-                "window": window, "softcap": softcap, "sinks": sinks, "alibi": alibi}
+                "window": window, "softcap": softcap, "sinks": sinks, "alibi": alibi, "varlen": varlen}
 
     def smem_bytes(self, head_dim: int) -> int:
         tiles = self.tile_m * head_dim + 2 * self.kv_stages * self.tile_n * head_dim + self.tile_m * self.tile_n  # Q, K/V, P

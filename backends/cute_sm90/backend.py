@@ -21,11 +21,11 @@ from ...dispatch.registry import Backend, Planned, registered
 from ...dispatch.support import Support
 from ..shared.cute_host import (LOG2_E, SCORE_FEATURES, CuteVariant, feature_flags, lse_like, problem_features,
                                 score_arguments, stack_missing, tma_ready)
+from ..shared.cute_varlen import packed_arguments
 from ..shared.inputs import TINY_SCALE, nonnegative_scale
 from . import compile as cc
 from . import backward as bwd
 from . import bwd_variants, tail_split, variants
-from .varlen import tables as tile_tables
 from .v_layout import aot_build, prepare_v_fp8
 
 
@@ -50,15 +50,12 @@ class Sm90Variant(CuteVariant):
 
     @property
     def module(self) -> str:
-        return self.tile.module(self.head_dim, self.kind) + self.feature_suffix + ("_varlen" if self.varlen else "")
+        return self.tile.module(self.head_dim, self.kind) + self.feature_suffix
 
     @property
     def source(self) -> Source:
         return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind, self.window, self.softcap, self.sinks,
                                                        self.alibi, self.varlen), self.module)
-
-    def describe(self) -> str:
-        return super().describe() + (" packed (varlen)" if self.varlen else "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,15 +97,6 @@ def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2
     if plan.tail_tiles:
         tail_split.combine(plan, o_part, lse_part, out, lse, tile.tile_m)
     return plan
-
-
-def packed_arguments(variant: Sm90Variant, packed) -> tuple:
-    """A VARLEN kernel's offsets and tile table for a call's Varlen (its host offsets, read once; the table is cached
-    per offsets: varlen.tables)."""
-    bounds_q, bounds_k = packed.bounds()
-    tiles = tile_tables(bounds_q, bounds_k, variant.tile.tile_m, variant.tile.tile_n, variant.causal,
-                        packed.cu_seqlens_q.device)
-    return packed.cu_seqlens_q, packed.cu_seqlens_k, tiles
 
 
 def score_descale(descale: torch.Tensor, scale_log2: float) -> tuple[torch.Tensor, float]:

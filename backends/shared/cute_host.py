@@ -65,13 +65,14 @@ class CuteVariant(Variant):
 
     @property
     def feature_suffix(self) -> str:
-        """What the features add to the module name: "_window_softcap", ..."""
-        return "".join(f"_{f}" for f in self.features)
+        """What the features (and a packed batch's VARLEN) add to the module name: "_window_softcap_varlen", ..."""
+        return "".join(f"_{f}" for f in self.features) + ("_varlen" if getattr(self, "varlen", False) else "")
 
     @property
     def feature_note(self) -> str:
-        """What the features add to describe(): " +window+softcap", ..."""
-        return f" +{'+'.join(self.features)}" if self.features else ""
+        """What the features (and VARLEN) add to describe(): " +window+softcap packed (varlen)", ..."""
+        return (f" +{'+'.join(self.features)}" if self.features else "") + (
+            " packed (varlen)" if getattr(self, "varlen", False) else "")
 
     def describe(self) -> str:
         return f"fwd {self.tile.describe()}{self.feature_note}"
@@ -150,7 +151,7 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
     persistent kernel may launch (cute_sm90's take it; pass the SM count), with ``tail_split`` the pieces'
     fp32 workspaces (pieces, tile_m, head_dim) and (pieces, tile_m) and two Int32 counts (see cute_sm90/tail_split.py),
     with ``varlen`` the int32 offsets cu_seqlens_q and cu_seqlens_k (batch + 1,) and the tile table (tiles, 2) (see
-    cute_sm90/varlen.py),
+    cute_varlen.py),
     with ``window`` the Int32 window bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, with
     ``sinks`` the fp32 sink logits (heads_q,), with ``alibi`` the fp32 slopes (batch, heads_q), and the stream.
     FP8's v is V^T (batch, heads_kv, head_dim, seqlen_k padded to 32): see cute_sm90/v_layout.py."""

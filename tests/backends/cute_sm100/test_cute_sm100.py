@@ -109,3 +109,35 @@ def test_feature_variant_compiles_for_sm100a_with_one_tanh_per_score(tmp_path, v
     assert tanh == (variant.tile.tile_n if variant.softcap else 0), tanh
     usage = resources(cubin.read_bytes())
     assert usage["stack_bytes"] <= variant.tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage
+
+
+# `attnforge build --features varlen,varlen+window+softcap+sinks+alibi`: the packed (VARLEN) forwards, bf16
+VARLEN = [v for v in registered()["cute_sm100"].variants(dtypes=("bf16",), features=(
+    frozenset({"varlen"}), EVERY_FEATURE | {"varlen"})) if v.varlen]
+# measured here (stack bytes): the non-causal packed kernels keep 120 (the plain ones 104); not timed (no B200)
+VARLEN_SPILL_BYTES = 120
+
+
+def test_b200_takes_it_for_packed_batches():
+    d = explain(device="B200", dtype="bf16", head_dim=128, seqlen_q=4096, batch=8, causal=True, needs_grad=True,
+                varlen=True)
+    assert d.forward.backend == "cute_sm100" and d.forward.variant.varlen
+    assert d.forward.variant.name.endswith("_varlen.bf16.causal") and "packed (varlen)" in d.forward.variant.describe()
+    assert d.backward.backend == "triton_fa2" and d.backward.variant.varlen
+    assert len(VARLEN) == len(variants.HEAD_DIMS) * 2 * 2
+
+
+@pytest.mark.parametrize("variant", VARLEN, ids=[v.name for v in VARLEN])
+def test_varlen_variant_compiles_for_sm100a(tmp_path, variant):
+    if any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")):
+        pytest.skip("nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
+    from attnforge.runtime import cute
+
+    cute._in_child(variant.build, "dump", str(tmp_path))  # (in a child process: see above)
+    (cubin,) = tmp_path.glob("*.sm_100a.cubin")
+    sass = cuobjdump("-sass", str(cubin))
+    seen = collections.Counter(re.findall(r"\b(UTCHMMA|UTMALDG|LDTM|STTM|UTCBAR)\b", sass))
+    assert all(seen[i] for i in ("UTCHMMA", "UTMALDG", "LDTM", "STTM", "UTCBAR")), seen
+    usage = resources(cubin.read_bytes())
+    assert usage["stack_bytes"] <= max(variant.tile.accepted_spill_bytes, VARLEN_SPILL_BYTES), usage
+    assert usage["local_bytes"] == 0, usage

@@ -126,8 +126,11 @@ def test_feature_variant_compiles_with_one_tanh_per_score_and_no_more_spills(tmp
 VARLEN = [v for v in registered()["cute_sm90"].variants(dtypes=("bf16",), head_dims=(8, 64, 96, 128, 192, 256),
                                                         features=(frozenset({"varlen"}), EVERY_FEATURE | {"varlen"}))
           if isinstance(v, Sm90Variant) and v.varlen]
-# measured here (stack bytes): d=64's causal kernel keeps 24 (16 without VARLEN), with every feature 136 as without
+# measured here (stack bytes): d=64's causal kernel keeps 24 (16 without VARLEN); with every feature the 2-warpgroup
+# tiles spill too (d=96 112, d=128 16, d=192 40; 0 with VARLEN alone or the features alone), d=64 136 as without
+# VARLEN. Not yet timed.
 VARLEN_SPILL_BYTES = {64: 24}
+VARLEN_FEATURE_SPILL_BYTES = {64: 136, 96: 112, 128: 16, 192: 40}
 
 
 def test_build_features_varlen_gives_the_packed_forwards():
@@ -144,10 +147,11 @@ def test_varlen_variant_compiles_with_tma_loads_and_both_stores(tmp_path, varian
     (cubin,) = tmp_path.glob("*.sm_90a.cubin")
     sass = cuobjdump("-sass", str(cubin))
     assert re.search(r"\bHGMMA\.", sass) and re.search(r"\bUTMALDG\.", sass)
-    assert re.search(r"\bUTMASTG\.", sass) and re.search(r"\bSTG\.E\.(?:U16|64|128)?", sass)
+    # the dense kernels store only the LSE from registers (two rows a thread: 2 STG); O's register path adds more
+    assert re.search(r"\bUTMASTG\.", sass) and len(re.findall(r"\bSTG\.", sass)) > 2
     usage = resources(cubin.read_bytes())
-    allowed = max(variant.tile.accepted_spill_bytes, FEATURE_SPILL_BYTES.get(variant.head_dim, 0) if variant.features
-                  else VARLEN_SPILL_BYTES.get(variant.head_dim, 0))
+    allowed = max(variant.tile.accepted_spill_bytes, (VARLEN_FEATURE_SPILL_BYTES if variant.features
+                                                      else VARLEN_SPILL_BYTES).get(variant.head_dim, 0))
     assert usage["stack_bytes"] <= allowed and usage["local_bytes"] == 0, usage
 
 

@@ -1,4 +1,5 @@
-"""The tile table of cute_sm90's packed (varlen) forward (VARLEN in templates/cute_sm90_fwd.py.jinja).
+"""The tile table of the CuTe backends' packed (varlen) forwards (VARLEN in templates/cute_sm90_fwd.py.jinja and
+cute_sm100_fwd.py.jinja), and the arguments such a kernel takes after the others.
 
 The kernel runs one CTA per (table entry, head); an entry names a sequence and one of its m blocks, so no CTA
 starts past its sequence's end and no padding is computed. Entries go heaviest first, by the key blocks the tile
@@ -45,6 +46,15 @@ def tile_table(bounds_q, bounds_k, tile_m: int, tile_n: int, causal: bool, devic
     order = torch.argsort(work, descending=True, stable=True)
     table = torch.stack((sequence[order], m_block[order]), dim=1).to(torch.int32)
     return table.to(device)
+
+
+def packed_arguments(variant, packed) -> tuple:
+    """A VARLEN kernel's offsets and tile table for a call's Varlen (its host offsets, read once) and a variant with
+    ``tile.tile_m``, ``tile.tile_n`` and ``causal``; the table is cached per offsets (tables)."""
+    bounds_q, bounds_k = packed.bounds()
+    table = tables(bounds_q, bounds_k, variant.tile.tile_m, variant.tile.tile_n, variant.causal,
+                   packed.cu_seqlens_q.device)
+    return packed.cu_seqlens_q, packed.cu_seqlens_k, table
 
 
 def tables(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], tile_m: int, tile_n: int, causal: bool,

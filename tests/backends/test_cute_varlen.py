@@ -1,10 +1,10 @@
-"""cute_sm90's packed (varlen) forward on the host: the tile table the kernel runs (every (sequence, m block) once,
+"""The CuTe backends' packed (varlen) forwards on the host (backends/shared/cute_varlen.py): the tile table a kernel runs (every (sequence, m block) once,
 heaviest first, none for a sequence without queries) and its cache."""
 
 import pytest
 import torch
 
-from attnforge.backends.cute_sm90 import varlen
+from attnforge.backends.shared import cute_varlen as varlen
 
 LENGTHS_Q = [17, 0, 1, 1023, 113, 4099, 128, 64]
 LENGTHS_K = [17, 9, 0, 1023, 4099, 113, 128, 200]
