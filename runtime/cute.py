@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -39,7 +40,9 @@ from .cache import (FILE_MODE, CacheError, default_cache_dir, locked, make_dirs,
                     warn_once, write_atomic)
 from .env import scoped
 
+logger = logging.getLogger("attnforge")
 EXPORTED_NAME = "attnforge_kernel"
+SHARED_ENV = "ATTNFORGE_CUTE_SHARED"  # load kernels from their linked shared libraries (shared_loading)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,10 +176,57 @@ def export(fn, path: pathlib.Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    # written after the .o: a reader that finds the record finds the object it describes (or a newer one,
-    # which fails the check and is rebuilt)
+    shared = link_shared(path)
+    # written after the .o (and its .so): a reader that finds the record finds the objects it describes (or newer
+    # ones, which fail the check and are rebuilt)
     record = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "attnforge": __version__}
+    if shared is not None:
+        record["shared"] = {"bytes": len(shared), "sha256": hashlib.sha256(shared).hexdigest()}
     write_atomic(record_path(path), json.dumps(record).encode())
+
+
+def shared_path(path: pathlib.Path) -> pathlib.Path:
+    """The shared library linked beside an exported ``<key>.o``: ``<key>.so``."""
+    return pathlib.Path(path).with_suffix(".so")
+
+
+def link_shared(path: pathlib.Path) -> bytes | None:
+    """Link the exported object ``path`` into ``<key>.so`` against the CuTe DSL's runtime and TVM FFI libraries
+    (their folders as its rpath), so that a process can load the kernel through TVM FFI alone, without importing
+    the CuTe DSL (load). Needs a C compiler (``$CC``, else cc or gcc); returns the library's bytes, or None (and
+    logs why) where it could not be linked: the object alone serves then."""
+    import shutil
+    import tempfile
+
+    dsl = sys.modules.get("cutlass.cute")  # (imported by the compile that made the object; not imported here for it)
+    if dsl is None:
+        logger.debug("no shared library for %s: the CuTe DSL that compiled it is not loaded in this process", path)
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    libraries = [lib for lib in dsl.runtime.find_runtime_libraries(enable_tvm_ffi=True) if pathlib.Path(lib).exists()]
+    if compiler is None or len(libraries) < 2:
+        logger.debug("no shared library for %s: %s", path, "no C compiler" if compiler is None else
+                     f"runtime libraries not found ({libraries})")
+        return None
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".so")
+    os.close(fd)
+    rpath = ":".join(dict.fromkeys(str(pathlib.Path(lib).parent) for lib in libraries))
+    try:
+        done = subprocess.run([compiler, "-shared", "-o", tmp, str(path), *libraries, f"-Wl,-rpath,{rpath}"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            logger.debug("no shared library for %s: %s", path, done.stderr.strip()[-500:])
+            return None
+        data = pathlib.Path(tmp).read_bytes()
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, shared_path(path))
+        return data
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.debug("no shared library for %s: %s", path, exc)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def record_path(path: pathlib.Path) -> pathlib.Path:
@@ -201,6 +251,31 @@ def check_object(path: pathlib.Path) -> str | None:
     return None
 
 
+def check_shared(path: pathlib.Path) -> str | None:
+    """Why the shared library beside the exported object ``path`` must not be loaded (None: it matches the
+    ``shared`` entry of the object's content record)."""
+    try:
+        record = json.loads(record_path(path).read_text())
+        data = shared_path(path).read_bytes()
+    except FileNotFoundError as exc:
+        return f"{exc.filename} is missing"
+    except (OSError, ValueError) as exc:
+        return f"unreadable ({exc})"
+    entry = record.get("shared") if isinstance(record, dict) else None
+    if not isinstance(entry, dict) or type(entry.get("bytes")) is not int or not isinstance(entry.get("sha256"), str):
+        return "the content record has no entry for it"
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        return "it does not match the size and sha256 recorded for it"
+    return None
+
+
+def shared_loading() -> bool:
+    """Whether load() takes a kernel's shared library through TVM FFI (``ATTNFORGE_CUTE_SHARED`` set to 1, true,
+    yes or on, any case): no CuTe DSL import, about 1.5 s less on a process's first CuTe call. Off by default until
+    a GPU run has checked that kernels launched this way match the JIT-linked object's."""
+    return os.environ.get(SHARED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _load_runtime_libraries() -> None:
     # A kernel loaded from an object file resolves the CuTe runtime's symbols through the global
     # namespace; cute.runtime.load_module does not load those libraries RTLD_GLOBAL itself.
@@ -211,8 +286,14 @@ def _load_runtime_libraries() -> None:
             ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
 
 
-def load(path: pathlib.Path):
-    """The callable kernel exported to ``path``."""
+def load(path: pathlib.Path, root: pathlib.Path | None = None):
+    """The callable kernel exported to ``path``: with shared_loading(), from the shared library beside it where that
+    matches its record (and, inside the cache folder ``root``, passes its trust check), through TVM FFI alone; else
+    the object JIT-linked by the CuTe DSL."""
+    if shared_loading() and check_shared(path) is None and (root is None or untrusted(shared_path(path), root) is None):
+        import tvm_ffi
+
+        return tvm_ffi.load_module(str(shared_path(path)))[EXPORTED_NAME]
     import cutlass.cute as cute
 
     _load_runtime_libraries()
@@ -305,13 +386,13 @@ def _load_or_compile(build: CuteBuild):
         why = untrusted(path, root) or check_object(path)
         if why is None:
             try:
-                return load(path)
+                return load(path, root)
             except Exception as exc:  # an object that passed its check but does not load: compile instead
                 why = f"it does not load ({type(exc).__name__}: {exc})"
         warn_once(f"not loading the CuTe kernel {path}: {why}; it is compiled instead")
     if not can_compile_here(build.arch):
         try:
-            return load(build_cached(build, root)[0])
+            return load(build_cached(build, root)[0], root)
         except CacheError as exc:
             warn_once(f"CuTe kernels are compiled in memory: {exc}")
             return _compile_in_memory(build)

@@ -6,6 +6,9 @@ import importlib.metadata
 import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -37,7 +40,7 @@ def fake(tmp_path, monkeypatch):
     compiles, loads = [], []
     monkeypatch.setattr(cute, "can_compile_here", lambda arch: True)
     monkeypatch.setattr(cute, "compile_kernel", lambda build, **kw: compiles.append(build) or FakeCompiled())
-    monkeypatch.setattr(cute, "load", lambda path: loads.append(path) or ("loaded", path.read_bytes()))
+    monkeypatch.setattr(cute, "load", lambda path, root=None: loads.append(path) or ("loaded", path.read_bytes()))
     cache.forget_warnings()
     cute.forget()
     build = cute.CuteBuild(str(module), "module", "bf16", True, "sm_90a", "cute_test", "x:y")
@@ -118,3 +121,50 @@ def test_build_into_a_cache_that_cannot_be_written_names_the_path(fake, tmp_path
     with pytest.raises(cache.CacheError, match=str(tmp_path / "file")) as caught:
         cute.build_cached(build, tmp_path / "file" / "cache")
     assert isinstance(caught.value, OSError)
+
+
+LOAD_IN_CHILD = """
+import sys, pathlib
+from attnforge.runtime import cute
+fn = cute.load(pathlib.Path(sys.argv[1]))
+print(type(fn).__name__, "cutlass" in sys.modules)
+"""
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None and shutil.which("gcc") is None,
+                    reason="no C compiler to link a kernel's shared library")
+def test_a_built_kernel_gets_a_shared_library_that_loads_without_the_cute_dsl(tmp_path):
+    """build links <key>.so beside <key>.o and records it; with ATTNFORGE_CUTE_SHARED=1 a fresh process loads the
+    kernel through TVM FFI without importing the CuTe DSL; a library that does not match its record is not loaded
+    (the object is, through the DSL)."""
+    from attnforge.backends.cute_sm90 import variants
+    from attnforge.backends.cute_sm90.backend import Sm90Variant
+
+    tile, _ = variants.pick("16bit", 64)
+    path, built = cute.build_cached(Sm90Variant(tile, "16bit", 64, "bf16", False).build, tmp_path)
+    assert built and cute.shared_path(path).is_file() and cute.check_shared(path) is None
+    assert cute.shared_path(path).stat().st_mode & 0o777 == 0o644
+    env = {**os.environ, cute.SHARED_ENV: "1"}
+
+    def child(extra=None):
+        done = subprocess.run([sys.executable, "-c", LOAD_IN_CHILD, str(path)], capture_output=True, text=True,
+                              env={**env, **(extra or {})}, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()
+
+    assert child() == ["Function", "False"]
+    assert child({cute.SHARED_ENV: "0"}) == ["Function", "True"]  # off: the object, JIT-linked by the DSL
+    data = bytearray(cute.shared_path(path).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    cute.shared_path(path).write_bytes(bytes(data))
+    assert "does not match" in cute.check_shared(path)
+    assert child() == ["Function", "True"]
+
+
+@pytest.mark.parametrize("value,on", [("1", True), (" TRUE ", True), ("on", True), ("yes", True), ("0", False),
+                                      ("", False), ("off", False), ("2", False)])
+def test_shared_loading_is_opt_in(monkeypatch, value, on):
+    monkeypatch.setenv(cute.SHARED_ENV, value)
+    assert cute.shared_loading() is on
+    monkeypatch.delenv(cute.SHARED_ENV)
+    assert not cute.shared_loading()
