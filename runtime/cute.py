@@ -236,37 +236,33 @@ def record_path(path: pathlib.Path) -> pathlib.Path:
 
 def check_object(path: pathlib.Path) -> str | None:
     """Why the exported object ``path`` must not be loaded (None: it matches its content record)."""
+    return _check_recorded(pathlib.Path(path), path, lambda record: record,
+                           f"{record_path(path).name} is not a content record", "beside it")
+
+
+def _check_recorded(data_path: pathlib.Path, path: pathlib.Path, entry_of, no_entry: str, where: str) -> str | None:
+    """Why ``data_path`` does not match the entry ``entry_of`` picks from the content record of the object ``path``
+    (size and sha256), or None."""
     try:
         record = json.loads(record_path(path).read_text())
-        data = pathlib.Path(path).read_bytes()
+        data = data_path.read_bytes()
     except FileNotFoundError as exc:
         return f"{exc.filename} is missing"
     except (OSError, ValueError) as exc:
         return f"unreadable ({exc})"
-    if not isinstance(record, dict) or not isinstance(record.get("sha256"), str) or \
-            type(record.get("bytes")) is not int:
-        return f"{record_path(path).name} is not a content record"
-    if len(data) != record["bytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
-        return "it does not match the size and sha256 recorded beside it"
+    entry = entry_of(record) if isinstance(record, dict) else None
+    if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) or type(entry.get("bytes")) is not int:
+        return no_entry
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        return f"it does not match the size and sha256 recorded {where}"
     return None
 
 
 def check_shared(path: pathlib.Path) -> str | None:
     """Why the shared library beside the exported object ``path`` must not be loaded (None: it matches the
     ``shared`` entry of the object's content record)."""
-    try:
-        record = json.loads(record_path(path).read_text())
-        data = shared_path(path).read_bytes()
-    except FileNotFoundError as exc:
-        return f"{exc.filename} is missing"
-    except (OSError, ValueError) as exc:
-        return f"unreadable ({exc})"
-    entry = record.get("shared") if isinstance(record, dict) else None
-    if not isinstance(entry, dict) or type(entry.get("bytes")) is not int or not isinstance(entry.get("sha256"), str):
-        return "the content record has no entry for it"
-    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        return "it does not match the size and sha256 recorded for it"
-    return None
+    return _check_recorded(shared_path(path), path, lambda record: record.get("shared"),
+                           "the content record has no entry for it", "for it")
 
 
 def shared_loading() -> bool:

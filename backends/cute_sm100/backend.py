@@ -16,9 +16,8 @@ from ...codegen import Source
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
-from ..shared.cute_host import (LOG2_E, SCORE_FEATURES, CuteVariant, feature_flags, lse_like, problem_features,
-                                score_arguments, stack_missing, tma_ready)
-from ..shared.cute_varlen import packed_arguments
+from ..shared.cute_host import (SCORE_FEATURES, CuteVariant, feature_flags, lse_like, problem_features, stack_missing,
+                                tma_ready, trailing_arguments)
 from ..shared.inputs import nonnegative_scale
 from . import compile as cc
 from . import variants
@@ -110,8 +109,6 @@ class CuteSm100Backend(Backend):
         q, k, v = tma_ready(q), tma_ready(call.k), tma_ready(call.v)
         out = torch.empty_like(q)
         lse = lse_like(q.shape[:3], q.device)
-        scores, scale_log2 = score_arguments(variant, call, scale) if variant.features else ((), scale * LOG2_E)
-        if variant.varlen:
-            scores = (*packed_arguments(variant, call.varlen), *scores)
+        scores, scale_log2 = trailing_arguments(variant, call, scale)
         variant.kernel(q, k, v, out, lse, scale_log2, *scores)
         return out, lse

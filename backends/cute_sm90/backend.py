@@ -19,9 +19,8 @@ from ...dispatch import costs as cost_model
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend, Planned, registered
 from ...dispatch.support import Support
-from ..shared.cute_host import (LOG2_E, SCORE_FEATURES, CuteVariant, feature_flags, lse_like, problem_features,
-                                score_arguments, stack_missing, tma_ready)
-from ..shared.cute_varlen import packed_arguments
+from ..shared.cute_host import (SCORE_FEATURES, CuteVariant, feature_flags, lse_like, problem_features, stack_missing,
+                                tma_ready, trailing_arguments)
 from ..shared.inputs import TINY_SCALE, nonnegative_scale
 from . import compile as cc
 from . import backward as bwd
@@ -228,9 +227,7 @@ class CuteSm90Backend(Backend):
         q, scale = nonnegative_scale(call.q, call.scale)
         q, k = tma_ready(q), tma_ready(call.k)
         lse = lse_like(q.shape[:3], q.device)
-        scores, scale_log2 = score_arguments(variant, call, scale) if variant.features else ((), scale * LOG2_E)
-        if variant.varlen:
-            scores = (*packed_arguments(variant, call.varlen), *scores)
+        scores, scale_log2 = trailing_arguments(variant, call, scale)
         if variant.dtype == "fp8":
             out = torch.empty_like(q, dtype=torch.bfloat16)
             descale = call.descale

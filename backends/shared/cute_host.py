@@ -12,6 +12,7 @@ import torch
 from ...dispatch.variant import Variant
 from ...runtime import cute, generated
 from ...runtime.cute import import_cutlass
+from .cute_varlen import packed_arguments
 
 DTYPE_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
 LOG2_E = 1.4426950408889634  # the kernels work in exp2: they take scale * log2(e)
@@ -107,6 +108,16 @@ def score_arguments(variant, call, scale: float) -> tuple[tuple, float]:
     return extra, scale_log2
 
 
+def trailing_arguments(variant, call, scale: float) -> tuple[tuple, float]:
+    """(a forward kernel's arguments after max_ctas: a packed (VARLEN) kernel's offsets and tile table, then the
+    score features' values; the scale_log2 it takes) for ``call``: score_arguments and cute_varlen.packed_arguments
+    where the variant has them, else nothing and scale * log2(e)."""
+    extra, scale_log2 = score_arguments(variant, call, scale) if variant.features else ((), scale * LOG2_E)
+    if variant.varlen:
+        extra = (*packed_arguments(variant, call.varlen), *extra)
+    return extra, scale_log2
+
+
 def stack_missing() -> list[str]:
     """The reason the CuTe-DSL backends cannot run in this process, if a package they need is missing."""
     missing = [pkg for mod, pkg in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"))
@@ -178,16 +189,17 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
                                   assumed_align=16),
                  make_fake_tensor(cutlass.Float32, (pieces, rows), (cute.sym_int64(), 1), assumed_align=4),
                  cutlass.Int32(1), cutlass.Int32(1))
+    packed = ()
     if varlen:
-        split += tuple(make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4) for _ in range(2))
-        split += (make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8),)
+        packed = (*(make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4) for _ in range(2)),
+                  make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8))
     scores = ((cutlass.Int32(1), cutlass.Int32(1)) if window else ()) + ((cutlass.Float32(1.0),) if softcap else ())
     if sinks:
         scores += (make_fake_tensor(cutlass.Float32, (heads_q,), (1,), assumed_align=4),)
     if alibi:  # (a row per sequence: with varlen q's batch is 1 and the sequences are the offsets')
         rows = cute.sym_int32() if varlen else batch
         scores += (make_fake_tensor(cutlass.Float32, (rows, heads_q), (cute.sym_int64(), 1), assumed_align=4),)
-    tail = (cutlass.Float32(1.0), *max_ctas, *split, *scores, make_fake_stream(use_tvm_ffi_env_stream=True))
+    tail = (cutlass.Float32(1.0), *max_ctas, *split, *packed, *scores, make_fake_stream(use_tvm_ffi_env_stream=True))
     if dtype != "fp8":
         return (q, k, tensor(element, batch, heads_kv, seqlen_k, head_dim), out, lse, *tail)
     v_t = tensor(element, batch, heads_kv, head_dim, seqlen_v)

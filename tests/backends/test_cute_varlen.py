@@ -28,10 +28,10 @@ def test_every_tile_once_heaviest_first(causal, tile_m, tile_n):
     work = [varlen.key_blocks(torch.tensor(LENGTHS_Q[b]), torch.tensor(LENGTHS_K[b]), torch.tensor(m), tile_m, tile_n,
                               causal).item() for b, m in entries]
     assert work == sorted(work, reverse=True)
-    for (b, m), w in zip(entries, work):  # the count the kernel's key loop runs (bottom-right causal)
-        sq, sk = LENGTHS_Q[b], LENGTHS_K[b]
-        full = -(-sk // tile_n)
-        expect = min(full, -(-max(0, (m + 1) * tile_m + sk - sq) // tile_n)) if causal else full
+    for (b, m), w in zip(entries, work):  # the blocks the kernel's key loop runs, counted one by one: with causal
+        sq, sk = LENGTHS_Q[b], LENGTHS_K[b]  # those whose first key the tile's last row sees (bottom-right)
+        last_key = (m + 1) * tile_m - 1 + sk - sq
+        expect = sum(1 for n in range(-(-sk // tile_n)) if not causal or n * tile_n <= last_key)
         assert w == expect
 
 

@@ -92,10 +92,9 @@ def test_b200_takes_it_for_windows_softcap_sinks_and_alibi():
                                               ("window", "softcap", "sinks", "alibi")}
 
 
-@pytest.mark.parametrize("variant", FEATURES, ids=[v.name for v in FEATURES])
-def test_feature_variant_compiles_for_sm100a_with_one_tanh_per_score(tmp_path, variant):
-    if any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")):
-        pytest.skip("nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
+def tcgen05_kernel(variant, tmp_path):
+    """(SASS, resource usage) of ``variant`` compiled for sm_100a, after checking it uses tcgen05 MMAs, TMA loads and
+    tensor memory (LDTM/STTM, UTCBAR)."""
     from attnforge.runtime import cute
 
     cute._in_child(variant.build, "dump", str(tmp_path))  # (in a child process: see above)
@@ -103,11 +102,18 @@ def test_feature_variant_compiles_for_sm100a_with_one_tanh_per_score(tmp_path, v
     sass = cuobjdump("-sass", str(cubin))
     seen = collections.Counter(re.findall(r"\b(UTCHMMA|UTMALDG|LDTM|STTM|UTCBAR)\b", sass))
     assert all(seen[i] for i in ("UTCHMMA", "UTMALDG", "LDTM", "STTM", "UTCBAR")), seen
+    return sass, resources(cubin.read_bytes())
+
+
+@pytest.mark.parametrize("variant", FEATURES, ids=[v.name for v in FEATURES])
+def test_feature_variant_compiles_for_sm100a_with_one_tanh_per_score(tmp_path, variant):
+    if any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")):
+        pytest.skip("nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
+    sass, usage = tcgen05_kernel(variant, tmp_path)
     # SOFTCAP: tanh.approx (MUFU.TANH) once per score a softmax thread holds (its row of the block), once in the
     # kernel's one key-block loop; none without it
     tanh = len(re.findall(r"MUFU\.TANH", sass))
     assert tanh == (variant.tile.tile_n if variant.softcap else 0), tanh
-    usage = resources(cubin.read_bytes())
     assert usage["stack_bytes"] <= variant.tile.accepted_spill_bytes and usage["local_bytes"] == 0, usage
 
 
@@ -131,13 +137,6 @@ def test_b200_takes_it_for_packed_batches():
 def test_varlen_variant_compiles_for_sm100a(tmp_path, variant):
     if any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")):
         pytest.skip("nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
-    from attnforge.runtime import cute
-
-    cute._in_child(variant.build, "dump", str(tmp_path))  # (in a child process: see above)
-    (cubin,) = tmp_path.glob("*.sm_100a.cubin")
-    sass = cuobjdump("-sass", str(cubin))
-    seen = collections.Counter(re.findall(r"\b(UTCHMMA|UTMALDG|LDTM|STTM|UTCBAR)\b", sass))
-    assert all(seen[i] for i in ("UTCHMMA", "UTMALDG", "LDTM", "STTM", "UTCBAR")), seen
-    usage = resources(cubin.read_bytes())
+    _, usage = tcgen05_kernel(variant, tmp_path)
     assert usage["stack_bytes"] <= max(variant.tile.accepted_spill_bytes, VARLEN_SPILL_BYTES), usage
     assert usage["local_bytes"] == 0, usage
