@@ -1,11 +1,12 @@
 """Does attnforge's automatic choice match the fastest plan it has? On realistic model shapes (GQA prefill, odd
-lengths, head dims 80/96, many short sequences, cross-attention, decode, one long sequence, d=256), forward
+lengths, head dims 80/96, many short sequences, cross-attention, decode, one long sequence, d=256) and the
+standard grid (d 64/128/256 x N 1k/4k/16k x full/causal, 16k tokens per call, heads 2048/d), forward
 and forward+backward: attnforge auto, every backend forced, and stock ``F.scaled_dot_product_attention``
 (torch's default choice), on the same inputs, one after another per row (CUDA-event medians of
 bench.measure.time_ms; kernel speed). TFLOP/s by dispatch.costs.flops. Prints auto's ratio to the fastest
 and the evidence its Decision chose by.
 
-    python benchmarks/dispatch_check.py [--json out.json]
+    python benchmarks/dispatch_check.py [--set models|grid|all] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,16 +34,22 @@ SHAPES = [
     ("long 64k causal, GQA 16/4", 1, 16, 4, 65536, 65536, 128, True, ("fwd", "fwd+bwd")),
     ("d=256 causal 8k", 2, 8, 8, 8192, 8192, 256, True, ("fwd", "fwd+bwd")),
 ]
+# The standard grid (the benchmarks' and docs/performance.md's): 16k tokens per call, heads 2048/d
+GRID = [(f"grid d={d} N={n}{' causal' if causal else ''}", 16384 // n, 2048 // d, 2048 // d, n, n, d, causal,
+         ("fwd", "fwd+bwd")) for d in (64, 128, 256) for n in (1024, 4096, 16384) for causal in (False, True)]
+SETS = {"models": SHAPES, "grid": GRID, "all": SHAPES + GRID}
 BACKENDS = ("cute_sm90", "triton_fa2", "sdpa")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--set", default="all", choices=tuple(SETS), help="the model shapes, the standard grid "
+                        "(d 64/128/256 x N 1k/4k/16k x full/causal, 16k tokens, heads 2048/d), or both (default)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for label, b, hq, hkv, nq, nk, d, causal, modes in SHAPES:
+    for label, b, hq, hkv, nq, nk, d, causal, modes in SETS[args.set]:
         def rand(h, n):
             return torch.randn(b, h, n, d, device="cuda", generator=gen).bfloat16()
         q, k, v = rand(hq, nq), rand(hkv, nk), rand(hkv, nk)

@@ -1,7 +1,8 @@
 """Start-up cost, each in fresh processes (median of ``--repeats``): ``import torch`` alone, then
 ``import attnforge`` after it; and, after ``attnforge build --target sm90 --dtype bf16 --head-dim 128`` into
 a fresh cache, the first attention() call of a process (bf16, B=2, H=16, N=4096, d=128, causal; wall time
-of the call with its CUDA sync, import excluded), automatic and forced to cute_sm90 and triton_fa2, and the
+of the call with its CUDA sync, import excluded), automatic and forced to cute_sm90 (as configured, with its
+kernels from their shared libraries, and from the objects) and triton_fa2, and the
 same first call with an empty cache (cold: everything compiled then). Each process has its own copy of the
 cache and an empty Triton JIT cache.
 
@@ -35,6 +36,13 @@ print(time.perf_counter() - t0, attnforge.last_decision().forward.backend)
 """
 
 
+# (name, backend, extra environment): cute_sm90 also with its kernels loaded from their shared libraries, and with
+# it off (the object, JIT-linked by the CuTe DSL)
+CONFIGS = [("auto", "auto", {}), ("cute_sm90", "cute_sm90", {}),
+           ("cute_sm90_shared", "cute_sm90", {"ATTNFORGE_CUTE_SHARED": "1"}),
+           ("cute_sm90_object", "cute_sm90", {"ATTNFORGE_CUTE_SHARED": "0"}), ("triton_fa2", "triton_fa2", {})]
+
+
 def run(code: str, *args, env=None) -> list[str]:
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, check=True)
     return out.stdout.split()
@@ -52,17 +60,18 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "attnforge", "build", "--target", "sm90", "--dtype", "bf16",
                         "--head-dim", "128", "--out", built], check=True, capture_output=True)
         for label, source in (("after_build", built), ("cold", None)):
-            for backend in ("auto", "cute_sm90", "triton_fa2"):
+            for name, backend, extra in CONFIGS:
                 calls = []
                 for i in range(args.repeats if source else 1):
                     # every process gets its own copy of the cache, and an empty Triton JIT cache: nothing an
                     # earlier process compiled or self-checked is reused
                     cache = os.path.join(cold, f"{label}-{backend}-{i}")
                     shutil.copytree(source, cache) if source else os.makedirs(cache)
-                    env = {**os.environ, "ATTNFORGE_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "jit")}
+                    env = {**os.environ, "ATTNFORGE_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "jit"),
+                           **extra}
                     calls.append(run(FIRST_CALL, backend, env=env))
-                result[f"first_call_{label}_{backend}_s"] = statistics.median(float(t) for t, _ in calls)
-                result[f"first_call_{label}_{backend}_ran"] = calls[0][1]
+                result[f"first_call_{label}_{name}_s"] = statistics.median(float(t) for t, _ in calls)
+                result[f"first_call_{label}_{name}_ran"] = calls[0][1]
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:
