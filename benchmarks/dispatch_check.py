@@ -48,6 +48,7 @@ def main() -> None:
                         "(d 64/128/256 x N 1k/4k/16k x full/causal, 16k tokens, heads 2048/d), or both (default)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    environment = measure.environment(torch.device("cuda"))
     rows = []
     for label, b, hq, hkv, nq, nk, d, causal, modes in SETS[args.set]:
         def rand(h, n):
@@ -78,11 +79,11 @@ def main() -> None:
             print(f"{label:36s} {mode:8s} auto={tflops['auto']:6.1f} ({'+'.join(filter(None, row['auto_chose']))}) "
                   + " ".join(f"{n}={t:.1f}" for n, t in tflops.items() if n != "auto")
                   + f"  auto/fastest={row['auto_vs_fastest']:.3f}  [{row['note']}]", flush=True)
+            if args.json:  # after every row: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"environment": environment, "rows": rows}, f, indent=1)
     worst = min(rows, key=lambda r: r["auto_vs_fastest"])
     print(f"worst auto/fastest: {worst['auto_vs_fastest']} ({worst['shape']}, {worst['mode']})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": measure.environment(torch.device("cuda")), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def main() -> None:
                 for i in range(args.repeats if source else 1):
                     # every process gets its own copy of the cache, and an empty Triton JIT cache: nothing an
                     # earlier process compiled or self-checked is reused
-                    cache = os.path.join(cold, f"{label}-{backend}-{i}")
+                    cache = os.path.join(cold, f"{label}-{name}-{i}")
                     shutil.copytree(source, cache) if source else os.makedirs(cache)
                     env = {**os.environ, "ATTNFORGE_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "jit"),
                            **extra}
