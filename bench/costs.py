@@ -39,8 +39,9 @@ class Shape:
 
 # Tokens per call (batch x seqlen) of the default grid: FlashAttention's benchmark budget, and one 8x smaller
 # so that smaller calls (a few sequences, fewer CTAs) are measured too: an entry reaches a factor of 2 in
-# batch x heads (dispatch/costs.py).
-TOKENS = ((16384, (512, 1024, 4096, 16384)), (2048, (512, 1024, 2048, 4096)))
+# batch x heads (dispatch/costs.py). 8k is measured for itself: averaging 4k's and 16k's ranks misrouted an 8k GQA
+# causal training call (sdpa pair 509.9 TFLOP/s against cute_sm90's 529.8, benchmarks/dispatch_check.py, H200).
+TOKENS = ((16384, (512, 1024, 4096, 8192, 16384)), (2048, (512, 1024, 2048, 4096)))
 
 
 def default_grid(head_dims=(64, 80, 96, 128, 192, 256), tokens: tuple[int, ...] | None = None) -> list[Shape]:

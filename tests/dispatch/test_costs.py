@@ -229,7 +229,9 @@ def test_the_grid_takes_a_tokens_budget():
 
     small = bench_costs.default_grid(head_dims=(128,), tokens=(2048,))
     assert all(s.batch == max(1, 2048 // s.seqlen_q) for s in small[:-3])
-    assert len(bench_costs.default_grid(head_dims=(128,))) == 2 * len(small) - 3
+    large = bench_costs.default_grid(head_dims=(128,), tokens=(16384,))
+    assert all(s.batch == max(1, 16384 // s.seqlen_q) for s in large[:-3])
+    assert len(bench_costs.default_grid(head_dims=(128,))) == len(small) + len(large) - 3
     with pytest.raises(ValueError, match="tokens per call must be among 16384, 2048"):
         bench_costs.default_grid(tokens=(4096,))
 
