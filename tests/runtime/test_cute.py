@@ -134,7 +134,7 @@ print(type(fn).__name__, "cutlass" in sys.modules)
 @pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None and shutil.which("gcc") is None,
                     reason="no C compiler to link a kernel's shared library")
 def test_a_built_kernel_gets_a_shared_library_that_loads_without_the_cute_dsl(tmp_path):
-    """build links <key>.so beside <key>.o and records it; with ATTNFORGE_CUTE_SHARED=1 a fresh process loads the
+    """build links <key>.so beside <key>.o and records it; by default (or ATTNFORGE_CUTE_SHARED=1) a fresh process loads the
     kernel through TVM FFI without importing the CuTe DSL; a library that does not match its record is not loaded
     (the object is, through the DSL)."""
     from attnforge.backends.cute_sm90 import variants
@@ -144,7 +144,7 @@ def test_a_built_kernel_gets_a_shared_library_that_loads_without_the_cute_dsl(tm
     path, built = cute.build_cached(Sm90Variant(tile, "16bit", 64, "bf16", False).build, tmp_path)
     assert built and cute.shared_path(path).is_file() and cute.check_shared(path) is None
     assert cute.shared_path(path).stat().st_mode & 0o777 == 0o644
-    env = {**os.environ, cute.SHARED_ENV: "1"}
+    env = {name: value for name, value in os.environ.items() if name != cute.SHARED_ENV}  # the default: on
 
     def child(extra=None):
         done = subprocess.run([sys.executable, "-c", LOAD_IN_CHILD, str(path)], capture_output=True, text=True,
@@ -153,6 +153,7 @@ def test_a_built_kernel_gets_a_shared_library_that_loads_without_the_cute_dsl(tm
         return done.stdout.split()
 
     assert child() == ["Function", "False"]
+    assert child({cute.SHARED_ENV: "1"}) == ["Function", "False"]
     assert child({cute.SHARED_ENV: "0"}) == ["Function", "True"]  # off: the object, JIT-linked by the DSL
     data = bytearray(cute.shared_path(path).read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -161,10 +162,10 @@ def test_a_built_kernel_gets_a_shared_library_that_loads_without_the_cute_dsl(tm
     assert child() == ["Function", "True"]
 
 
-@pytest.mark.parametrize("value,on", [("1", True), (" TRUE ", True), ("on", True), ("yes", True), ("0", False),
-                                      ("", False), ("off", False), ("2", False)])
-def test_shared_loading_is_opt_in(monkeypatch, value, on):
+@pytest.mark.parametrize("value,on", [("1", True), ("", True), ("2", True), ("0", False), (" OFF ", False),
+                                      ("false", False), ("no", False)])
+def test_shared_loading_is_on_unless_turned_off(monkeypatch, value, on):
     monkeypatch.setenv(cute.SHARED_ENV, value)
     assert cute.shared_loading() is on
     monkeypatch.delenv(cute.SHARED_ENV)
-    assert not cute.shared_loading()
+    assert cute.shared_loading()
