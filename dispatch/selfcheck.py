@@ -1,6 +1,6 @@
 """Self-check on first use: before a (backend, variant, device) first serves a call in a process, it
 runs a tiny problem of the same variant (dtype, head dims, causality, GQA, odd lengths) against fp64
-math on the same device: a forward variant its output, a backward variant its dQ, dK and dV from fp64's
+math (on the CPU): a forward variant its output, a backward variant its dQ, dK and dV from fp64's
 output and LSE. A variant that disagrees beyond tolerance (or gives NaN) is disabled: the
 Decision lists it as rejected with "self-check failed: ...", the fallback is logged, and the call goes
 to the next backend. A tiny problem that raises (out of memory, a broken compiler cache, a bad
@@ -182,6 +182,13 @@ def _tiny_inputs(problem: Problem):
     return q, k, v, dout, problem.head_dim ** -0.5, features
 
 
+def _on_host(x):
+    """A tensor (or each tensor value of a dict) copied to the CPU; anything else as it is."""
+    if isinstance(x, dict):
+        return {name: _on_host(value) for name, value in x.items()}
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
 def _tiny_cache(problem: Problem):
     """For a KV-cache problem, the tiny problem's k and v as a cache every sequence fills: rows of a contiguous
     cache, or pages of SEQLEN_K positions, page b holding sequence b (so its answer is the dense one)."""
@@ -222,6 +229,9 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
     else:
         out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask, cache=cache,
                                                varlen=_tiny_varlen(problem), **features))
+    # the oracle and torch's peer run on the CPU (the tiny problem is microseconds there): the check then adds no
+    # GPU math library's start-up (cuBLAS's) to a process's first call
+    out, q, k, v, features = _on_host(out), _on_host(q), _on_host(k), _on_host(v), _on_host(features)
     ref, _ = math_attention(q.double(), k.double(), v.double(), mask=problem.mask, scale=scale,
                             **{n: x.double() if isinstance(x, torch.Tensor) else x for n, x in features.items()})
     if not torch.isfinite(out).all():
@@ -252,12 +262,13 @@ def _run_backward(backend, variant, problem: Problem) -> tuple[str, ...]:
     from ..testing import error_and_bound, oracle, peer_error
 
     q, k, v, dout, scale, features = _tiny_inputs(problem)
-    fp64 = dict(mask=problem.mask, scale=scale, dout=dout, **features)
-    ref_out, ref_lse, ref_grads = oracle(q, k, v, **fp64)
-    _, peer_grads = peer_error(q, k, v, **fp64)
+    fp64 = dict(mask=problem.mask, scale=scale, dout=_on_host(dout), **_on_host(features))
+    host = [_on_host(x) for x in (q, k, v)]
+    ref_out, ref_lse, ref_grads = oracle(*host, **fp64)  # on the CPU, as in _run
+    _, peer_grads = peer_error(*host, **fp64)
     call = Call(q, k, v, scale, problem.mask, varlen=_tiny_varlen(problem), **features)
-    grads = backend.backward(variant, call, ref_out.to(q.dtype), ref_lse.float(), dout)
-    for name, x, ref, peer in zip(("dq", "dk", "dv"), grads, ref_grads, peer_grads):
+    grads = backend.backward(variant, call, ref_out.to(q.device, q.dtype), ref_lse.to(q.device, torch.float32), dout)
+    for name, x, ref, peer in zip(("dq", "dk", "dv"), map(_on_host, grads), ref_grads, peer_grads):
         if not torch.isfinite(x).all():
             return (f"self-check failed: NaN or inf in the backward's {name} on a tiny problem",)
         err, bound, peer_err = error_and_bound(x, ref, peer, ulps=8 * max(SEQLEN_Q, SEQLEN_K, problem.head_dim) ** 0.5)
