@@ -52,6 +52,8 @@ class Sm90FwdTile:
     pingpong: bool = True  # named-barrier ordering of the consumer warpgroups' GEMMs
     # without causal masking, one CTA per SM looping over the tiles (see PERSISTENT in the template)
     persistent: bool = False
+    # with persistent: causal kernels loop too, over the tiles heaviest first (PERSISTENT_CAUSAL in the template)
+    persistent_causal: bool = False
     # row sums of P by a small WGMMA against an all-ones block (ROW_SUM_MMA in the template) instead of FADDs
     row_sum_mma: bool = False
     # without causal masking or PERSISTENT: a part-filled last wave's tiles may run as key-range pieces that a
@@ -68,7 +70,7 @@ class Sm90FwdTile:
     def module(self, head_dim: int, kind: str = "16bit") -> str:
         return (f"fwd_{kind}_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.kv_stages}"
                 f"_wg{self.consumer_warpgroups}{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
-                f"{'_rs' if self.row_sum_mma else ''}{'_ts' if self.tail_split else ''}"
+                f"{'_pc' if self.persistent_causal else ''}{'_rs' if self.row_sum_mma else ''}{'_ts' if self.tail_split else ''}"
                 f"{'_to' if self.tma_store else ''}")
 
     def params(self, head_dim: int, kind: str = "16bit", window: bool = False, softcap: bool = False,
@@ -107,7 +109,7 @@ class Sm90FwdTile:
     def describe(self, head_dim: int | None = None) -> str:
         return (f"{self.tile_m}x{self.tile_n} s{self.kv_stages} {self.consumer_warpgroups} consumer warpgroups"
                 f"{' pingpong' if self.pingpong else ''}{' persistent' if self.persistent else ''}"
-                f"{' row sums by MMA' if self.row_sum_mma else ''}{' tail split' if self.tail_split else ''}"
+                f"{' causal too' if self.persistent_causal else ''}{' row sums by MMA' if self.row_sum_mma else ''}{' tail split' if self.tail_split else ''}"
                 f"{' TMA store' if self.tma_store else ''}")
 
 
@@ -136,6 +138,8 @@ def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
         reasons.append(f"{name}: needs at least one K/V stage")
     if tile.pingpong and tile.consumer_warpgroups < 2:
         reasons.append(f"{name}: pingpong needs two or more consumer warpgroups")
+    if tile.persistent_causal and not tile.persistent:
+        reasons.append(f"{name}: persistent_causal makes a persistent kernel's causal variant loop too; set persistent")
     if tile.tail_split and tile.persistent:
         reasons.append(f"{name}: tail_split is for one CTA per tile (a persistent kernel balances its own tiles)")
     if tile.cluster != (1, 1):
