@@ -2,8 +2,8 @@
 lengths, head dims 80/96, many short sequences, cross-attention, decode, one long sequence, d=256) and the
 standard grid (d 64/128/256 x N 1k/4k/16k x full/causal, 16k tokens per call, heads 2048/d), forward
 and forward+backward: attnforge auto, every backend forced, and stock ``F.scaled_dot_product_attention``
-(torch's default choice), on the same inputs, one after another per row (CUDA-event medians of
-bench.measure.time_ms; kernel speed). TFLOP/s by dispatch.costs.flops. Prints auto's ratio to the fastest
+(torch's default choice), on the same inputs, in interleaved rounds per row (bench.measure.interleaved_ms: CUDA-event
+medians, the median over the rounds; kernel speed). TFLOP/s by dispatch.costs.flops. Prints auto's ratio to the fastest
 and the evidence its Decision chose by.
 
     python benchmarks/dispatch_check.py [--set models|grid|all] [--json out.json]
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--set", default="all", choices=tuple(SETS), help="the model shapes, the standard grid "
                         "(d 64/128/256 x N 1k/4k/16k x full/causal, 16k tokens, heads 2048/d), or both (default)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per row (default 3)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     environment = measure.environment(torch.device("cuda"))
@@ -65,10 +67,11 @@ def main() -> None:
                 impls["torch SDPA"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                                       enable_gqa=hq != hkv)
             flop = costs.flops(decision.problem, mode)
-            tflops = {}
-            for name, fn in impls.items():
-                ms = measure.time_ms(measure.step(fn, q, k, v, dout, mode), q.device, 25, 150)[0]
-                tflops[name] = flop / (ms * 1e-3) / 1e12
+            # interleaved rounds, the order rotated each round, medians: timed one after another once each, the
+            # same plan measured up to 12% apart (the H200's clock drifts at its power cap)
+            times = measure.interleaved_ms({name: measure.step(fn, q, k, v, dout, mode) for name, fn in impls.items()},
+                                           args.rounds, warmup_ms=10, rep_ms=150 / args.rounds)
+            tflops = {name: flop / (statistics.median(ms) * 1e-3) / 1e12 for name, ms in times.items()}
             best = max((n for n in tflops if n != "auto"), key=tflops.get)
             row = {"shape": label, "mode": mode, "tflops": {n: round(t, 1) for n, t in tflops.items()},
                    "fastest": best, "auto_vs_fastest": round(tflops["auto"] / tflops[best], 3),
