@@ -63,11 +63,15 @@ def time_ms(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> tuple[
 
 def interleaved_ms(runners: dict, rounds: int, warmup_ms: float = 25, rep_ms: float = 200) -> dict[str, list[float]]:
     """CUDA runners timed in rounds, each once per round (time_ms's median), the order rotated every round so that
-    a drifting clock (the H200 at its power cap) favours none of them: {name: [ms, one per round]}."""
+    a drifting clock (the H200 at its power cap) favours none of them, and reversed every other round so that none
+    always follows the same runner: {name: [ms, one per round]}. (With rotation alone, benchmarks/dispatch_check.py on
+    the H200 timed attnforge's sdpa backend always right after triton_fa2, its slowest and least power-hungry
+    kernel, and measured it up to 8% above the same SDPA call made by stock torch later in the same rounds.)"""
     names, cuda = list(runners), torch.device("cuda")
     times = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in (order[::-1] if r % 2 else order):
             times[name].append(time_ms(runners[name], cuda, warmup_ms, rep_ms)[0])
     return times
 

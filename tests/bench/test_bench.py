@@ -65,15 +65,18 @@ def test_bad_bench_arguments(capsys):
 
 def test_interleaved_rounds_time_every_runner_once_per_round_in_rotated_order(monkeypatch):
     """benchmarks/ab_*.py's rounds: each runner once a round, the first one moving along, so that a clock drifting
-    through the run favours none; each figure is time_ms's median (its first value)."""
+    through the run favours none, and every other round reversed, so that no runner always follows the same one;
+    each figure is time_ms's median (its first value)."""
     from attnforge.bench import measure
 
     order = []
     monkeypatch.setattr(measure, "time_ms", lambda fn, device, warmup, rep: (fn(), 0.0, 0.0))
     runners = {name: (lambda name=name: order.append(name) or float(len(order))) for name in "abc"}
     times = measure.interleaved_ms(runners, rounds=4)
-    assert order == list("abc" "bca" "cab" "abc")
-    assert times == {"a": [1.0, 6.0, 8.0, 10.0], "b": [2.0, 4.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 12.0]}
+    assert order == list("abc" "acb" "cab" "cba")
+    assert times == {"a": [1.0, 4.0, 8.0, 12.0], "b": [2.0, 6.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 10.0]}
+    before = {name: {order[i - 1] for i in range(1, len(order)) if order[i] == name and i % 3} for name in "abc"}
+    assert all(len(previous) == 2 for previous in before.values())  # each follows both of the others
 
 
 def test_cpu_deciles_lie_within_the_samples(monkeypatch):
