@@ -1,13 +1,14 @@
 """``attnforge tune --costs``: measure each eligible plan (a forward backend; with grad, a forward+backward
 pair) of this GPU over a grid of problem classes, and write the cost table the dispatcher ranks plans by
-(dispatch/costs.py). Each plan runs forced, on the same fresh random inputs as the others, timed by
-bench.measure.time_ms (CUDA-event medians); the FLOPs are dispatch.costs.flops."""
+(dispatch/costs.py). Each plan runs forced, on the same fresh random inputs as the others, timed in interleaved
+rounds (bench.measure.interleaved_ms: CUDA-event medians); the FLOPs are dispatch.costs.flops."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import itertools
+import statistics
 import subprocess
 
 import torch
@@ -70,28 +71,40 @@ def _inputs(shape: Shape, dtype, gen, device):
 
 
 def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 10, rep_ms: float = 60,
-                 progress=print, device: str = "cuda") -> list[dict]:
-    """One entry per (shape, mode, plan) that ran: its TFLOP/s (dispatch.costs.flops over the median)."""
+                 progress=print, device: str = "cuda", rounds: int = 2) -> list[dict]:
+    """One entry per (shape, mode, plan) that ran: its TFLOP/s (dispatch.costs.flops over the median). The plans of
+    a (shape, mode) are timed in ``rounds`` interleaved rounds (measure.interleaved_ms: rotated, every other round
+    reversed; ``rep_ms`` split among them), the median of the rounds kept; on the CPU one after another."""
     names = [n for n in priority(detect(torch.device(device))) if n not in UNTIMED]
     gen = torch.Generator(device=device).manual_seed(0)
     entries = []
     for i, shape in enumerate(grid, 1):
         q, k, v, dout = _inputs(shape, DTYPES[dtype], gen, device)
         for mode in shape.modes:
+            runners, problems = {}, {}
             for name in names:
                 decision = attnforge.explain(q, k, v, causal=shape.causal, needs_grad=mode == "fwd+bwd", backend=name)
                 if not decision.ok:
                     continue
                 plan = plan_name(name, decision.backward)
-                try:
-                    def fn(q, k, v, name=name):
-                        return attnforge.attention(q, k, v, causal=shape.causal, backend=name)
 
-                    ms = measure.time_ms(measure.step(fn, q, k, v, dout, mode), q.device, warmup_ms, rep_ms)[0]
+                def fn(q, k, v, name=name):
+                    return attnforge.attention(q, k, v, causal=shape.causal, backend=name)
+
+                run = measure.step(fn, q, k, v, dout, mode)
+                try:
+                    run()  # compiles and self-checks before any timing
                 except Exception as exc:  # a plan that fails here is left out of the table, and said
                     progress(f"  {plan} {mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
                     continue
-                tflops = costs.flops(decision.problem, mode) / (ms * 1e-3) / 1e12
+                runners[plan], problems[plan] = run, decision.problem
+            if q.device.type == "cuda":
+                times = measure.interleaved_ms(runners, rounds, warmup_ms, rep_ms / rounds)
+            else:
+                times = {plan: [measure.time_ms(run, q.device, warmup_ms, rep_ms)[0]] for plan, run in runners.items()}
+            for plan, ms_list in times.items():
+                ms = statistics.median(ms_list)
+                tflops = costs.flops(problems[plan], mode) / (ms * 1e-3) / 1e12
                 entries.append({"plan": plan, "mode": mode, "dtype": dtype, "head_dim": shape.head_dim,
                                 "head_dim_v": shape.head_dim, "causal": shape.causal, "batch": shape.batch,
                                 "heads_q": shape.heads_q, "heads_kv": shape.heads_kv, "seqlen_q": shape.seqlen_q,
@@ -119,7 +132,8 @@ def table_document(entries: list[dict], command: str, device: str = "cuda") -> d
     return {"schema": costs.SCHEMA, "arch": spec.arch, "device": spec.name,
             "measured": datetime.date.today().isoformat(), "command": command, "commit": commit,
             "versions": versions, "flop_formula": costs.flop_count.__doc__.strip(),
-            "timing": measure.TIMING, "entries": entries}
+            "timing": measure.TIMING + "; a (shape, mode)'s plans in interleaved rounds (rotated, every other round "
+                      "reversed), the median of the rounds", "entries": entries}
 
 
 _ENTRY_KEY = ("plan", "mode", "dtype", "head_dim", "head_dim_v", "causal", "batch", "heads_q", "heads_kv", "seqlen_q",
