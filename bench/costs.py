@@ -70,11 +70,13 @@ def _inputs(shape: Shape, dtype, gen, device):
     return q, k, v, torch.randn(q.shape, device=device, generator=gen).to(dtype)
 
 
-def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 10, rep_ms: float = 60,
+def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 25, rep_ms: float = 60,
                  progress=print, device: str = "cuda", rounds: int = 2) -> list[dict]:
     """One entry per (shape, mode, plan) that ran: its TFLOP/s (dispatch.costs.flops over the median). The plans of
     a (shape, mode) are timed in ``rounds`` interleaved rounds (measure.interleaved_ms: rotated, every other round
-    reversed; ``rep_ms`` split among them), the median of the rounds kept; on the CPU one after another."""
+    reversed; ``rep_ms`` split among them, each after ``warmup_ms``: short warm-ups let the clock state the previous
+    plan left bias the next, benchmarks/dispatch_check.py), the median of the rounds kept; on the CPU one after
+    another."""
     names = [n for n in priority(detect(torch.device(device))) if n not in UNTIMED]
     gen = torch.Generator(device=device).manual_seed(0)
     entries = []

@@ -67,10 +67,13 @@ def main() -> None:
                 impls["torch SDPA"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                                       enable_gqa=hq != hkv)
             flop = costs.flops(decision.problem, mode)
-            # interleaved rounds, the order rotated each round, medians: timed one after another once each, the
-            # same plan measured up to 12% apart (the H200's clock drifts at its power cap)
+            # interleaved rounds (rotated, every other round reversed), medians: timed one after another once each,
+            # the same plan measured up to 12% apart (the H200's clock drifts at its power cap). Each timing keeps
+            # the 25 ms warm-up: with 10 ms (and 50 ms of repetitions) the sdpa backend, then always timed right after
+            # triton_fa2, measured up to 9% above the same SDPA call by stock torch (dispatch_check-2.json in
+            # benchmarks/results/2026-12-02-h200-dispatch/; 25 ms and one 150 ms block: within 3%)
             times = measure.interleaved_ms({name: measure.step(fn, q, k, v, dout, mode) for name, fn in impls.items()},
-                                           args.rounds, warmup_ms=10, rep_ms=150 / args.rounds)
+                                           args.rounds, warmup_ms=25, rep_ms=150 / args.rounds)
             tflops = {name: flop / (statistics.median(ms) * 1e-3) / 1e12 for name, ms in times.items()}
             best = max((n for n in tflops if n != "auto"), key=tflops.get)
             row = {"shape": label, "mode": mode, "tflops": {n: round(t, 1) for n, t in tflops.items()},
