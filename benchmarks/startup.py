@@ -4,7 +4,8 @@ a fresh cache, the first attention() call of a process (bf16, B=2, H=16, N=4096,
 of the call with its CUDA sync, import excluded), automatic and forced to cute_sm90 (as configured, with its
 kernels from their shared libraries, and from the objects) and triton_fa2, and the
 same first call with an empty cache (cold: everything compiled then). Each process has its own copy of the
-cache and an empty Triton JIT cache.
+cache and an empty Triton JIT cache; "after_build_triton_warm" gives them instead the Triton cache that one earlier
+process (forced to triton_fa2, on another copy) left, as on a machine where Triton has launched before.
 
     python benchmarks/startup.py [--repeats 3] [--json out.json]
 """
@@ -59,16 +60,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as built, tempfile.TemporaryDirectory() as cold:
         subprocess.run([sys.executable, "-m", "attnforge", "build", "--target", "sm90", "--dtype", "bf16",
                         "--head-dim", "128", "--out", built], check=True, capture_output=True)
-        for label, source in (("after_build", built), ("cold", None)):
+        # Triton's own cache as a deployment machine has it after any earlier Triton launch: the C launcher stubs
+        # and driver utilities Triton compiles on first use, made by one process on another copy of the cache
+        machine_triton = os.path.join(cold, "machine-triton")
+        warm = os.path.join(cold, "warm-up")
+        shutil.copytree(built, warm)
+        run(FIRST_CALL, "triton_fa2", env={**os.environ, "ATTNFORGE_CACHE_DIR": warm, "TRITON_CACHE_DIR": machine_triton})
+        for label, source in (("after_build", built), ("after_build_triton_warm", built), ("cold", None)):
             for name, backend, extra in CONFIGS:
                 calls = []
                 for i in range(args.repeats if source else 1):
-                    # every process gets its own copy of the cache, and an empty Triton JIT cache: nothing an
-                    # earlier process compiled or self-checked is reused
+                    # every process gets its own copy of the cache and an empty Triton JIT cache (with "triton_warm":
+                    # the machine's): nothing an earlier process compiled or self-checked is reused
                     cache = os.path.join(cold, f"{label}-{name}-{i}")
                     shutil.copytree(source, cache) if source else os.makedirs(cache)
-                    env = {**os.environ, "ATTNFORGE_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "jit"),
-                           **extra}
+                    triton = machine_triton if label.endswith("triton_warm") else os.path.join(cache, "jit")
+                    env = {**os.environ, "ATTNFORGE_CACHE_DIR": cache, "TRITON_CACHE_DIR": triton, **extra}
                     calls.append(run(FIRST_CALL, backend, env=env))
                 result[f"first_call_{label}_{name}_s"] = statistics.median(float(t) for t, _ in calls)
                 result[f"first_call_{label}_{name}_ran"] = calls[0][1]
