@@ -21,7 +21,6 @@ import functools
 import importlib.metadata
 import json
 import logging
-import os
 import re
 import time
 
@@ -29,6 +28,7 @@ import torch
 
 from .._version import __version__
 from ..runtime.cache import default_cache_dir, write_atomic
+from ..runtime.env import on_unless_turned_off
 from .call import Call, KVCache, Varlen
 from .problem import DTYPES, Problem
 
@@ -48,11 +48,8 @@ _verdicts: dict[str, tuple[str, ...]] = {}  # this process: key -> reasons (empt
 costs: list[tuple[str, float]] = []  # (key, seconds) of the checks this process ran
 
 
-OFF = ("0", "false", "no", "off")
-
-
 def enabled() -> bool:
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in OFF
+    return on_unless_turned_off(ENV_VAR)
 
 
 def key_of(backend, variant, problem: Problem, backward: bool = False) -> str:
@@ -231,7 +228,7 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
                                                varlen=_tiny_varlen(problem), **features))
     # the oracle and torch's peer run on the CPU (the tiny problem is microseconds there): the check then adds no
     # GPU math library's start-up (cuBLAS's) to a process's first call
-    out, q, k, v, features = _on_host(out), _on_host(q), _on_host(k), _on_host(v), _on_host(features)
+    out, q, k, v, features = (_on_host(x) for x in (out, q, k, v, features))
     ref, _ = math_attention(q.double(), k.double(), v.double(), mask=problem.mask, scale=scale,
                             **{n: x.double() if isinstance(x, torch.Tensor) else x for n, x in features.items()})
     if not torch.isfinite(out).all():

@@ -38,7 +38,7 @@ import threading
 from .._version import __version__
 from .cache import (FILE_MODE, CacheError, default_cache_dir, locked, make_dirs, scratch_dir, untrusted,
                     warn_once, write_atomic)
-from .env import scoped
+from .env import on_unless_turned_off, scoped
 
 logger = logging.getLogger("attnforge")
 EXPORTED_NAME = "attnforge_kernel"
@@ -270,7 +270,7 @@ def shared_loading() -> bool:
     false, no or off (any case). No CuTe DSL import: a process's first CuTe call after a build took 0.65 s instead
     of 2.65 s on the H200 (benchmarks/startup.py), with the kernels' results checked against fp64 math on the GPU
     (tests/backends/cute_sm90/test_gpu_shared.py)."""
-    return os.environ.get(SHARED_ENV, "").strip().lower() not in ("0", "false", "no", "off")
+    return on_unless_turned_off(SHARED_ENV)
 
 
 def _load_runtime_libraries() -> None:

@@ -25,6 +25,16 @@ def triton_interpret() -> bool:
     return triton_flag("TRITON_INTERPRET")
 
 
+# attnforge's own switches (ATTNFORGE_SELFCHECK, ATTNFORGE_CUTE_SHARED) are on unless set to one of these (any
+# case, spaces around ignored).
+OFF = frozenset({"0", "false", "no", "off"})
+
+
+def on_unless_turned_off(name: str) -> bool:
+    """attnforge's switch ``name``: on when unset, off when set to 0, false, no or off (any case, spaces ignored)."""
+    return os.environ.get(name, "").strip().lower() not in OFF
+
+
 @contextlib.contextmanager
 def scoped(name: str, value: str | None):
     """``os.environ[name] = value`` for the block (``None``: left as it is), then restored (or removed)."""
