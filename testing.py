@@ -172,7 +172,9 @@ def assert_nan_rows(name: str, x: torch.Tensor, ref: torch.Tensor, peer: torch.T
 def poison(q, k, v, tensor: str, index: int, mask):
     """Copies of q, k, v (batch, heads, seqlen, d) with NaN in row ``index`` of ``tensor`` ("q", "k" or "v"),
     batch 0, head 0, and the (batch, heads_q, seqlen_q) bool rows that exact math makes NaN under ``mask``:
-    that query row if it sees any key; for a key or value, the rows of kv head 0's query heads that see it."""
+    that query row if it sees any key; for a key or value, the rows of kv head 0's query heads that see it.
+    Measure PyTorch's own error (peer_error) on the clean inputs: its materialised P @ V carries a NaN value to
+    every row (0 * NaN), and an infinite peer error would let any answer pass."""
     q, k, v = (t.detach().clone() for t in (q, k, v))
     visible = sees(mask, q.shape[2], k.shape[2], q.device)
     rows = torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device)

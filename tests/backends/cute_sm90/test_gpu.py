@@ -288,8 +288,11 @@ GPU_BACKENDS = ("cute_sm90", "triton_fa2", "sdpa")
 
 
 def nan_cases():
+    # triton_fa2's forward checks the value rows of its masked tiles (templates/triton_fa2_fwd.py.jinja), so a NaN
+    # value is exact there too; the other fused kernels are held to test_a_nan_value_stays_near_its_key_tile.
+    tensors = {"triton_fa2": ("q", "k", "v")}
     return [pytest.param(b, t, c, id=f"{b}-{t}-" + "x".join(map(str, c)))
-            for b in GPU_BACKENDS for t in ("q", "k") for c in NONFINITE_CASES]
+            for b in GPU_BACKENDS for t in tensors.get(b, ("q", "k")) for c in NONFINITE_CASES]
 
 
 @pytest.mark.parametrize("backend,tensor,case", nan_cases())
@@ -310,10 +313,49 @@ def test_a_nan_reaches_exactly_the_rows_that_see_it(backend, tensor, case, gen):
         qn, kn, vn, rows = poison(q, k, v, tensor, index, mask)
         out = attention(qn, kn, vn, causal=causal, backend=backend)
         ref, _, _ = oracle(qn, kn, vn, causal=causal)
-        peer, _ = peer_error(qn, kn, vn, causal=causal)
+        peer, _ = peer_error(q, k, v, causal=causal)
         assert_nan_rows("out", out, ref, peer, rows, ulps=4 * math.sqrt(nk))
         blind = ~visible.any(-1).to("cuda")
         assert (out[:, :, blind] == 0).all()
+
+
+# Rows a fused kernel may wrongly make NaN around a NaN value row: those of the query blocks whose key range
+# holds its key tile. 256 bounds every tile these kernels run (cute_sm90's tile_m up to 192, torch's fused ones
+# 128): one query block on each side of the first row that sees the key.
+VALUE_LEAK_ROWS = 256
+
+
+@pytest.mark.parametrize("backend", ("cute_sm90", "sdpa"))
+@pytest.mark.parametrize("case", NONFINITE_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_a_nan_value_stays_near_its_key_tile(backend, case, gen):
+    """A NaN value row makes every row that sees it NaN (never hidden), and other rows match the oracle, except
+    rows near its key tile: P @ V multiplies the tile's masked zeros by it (0 * NaN), in cute_sm90 and in torch's
+    fused kernels alike (as in FlashAttention and cuDNN). The README's known issues state this bound."""
+    from attnforge import attention
+    from attnforge.dispatch.mask import CAUSAL, NONE
+    from attnforge.testing import assert_close, poison, sees
+
+    hq, hkv, nq, nk, causal = case
+    mask = CAUSAL if causal else NONE
+    q, k, v = (torch.randn(1, h, n, 128, generator=gen).to("cuda", torch.bfloat16) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    visible = sees(mask, nq, nk)
+    for index in sorted({0, int(visible.any(0).nonzero()[-1]), nk - 1}):
+        qn, kn, vn, rows = poison(q, k, v, "v", index, mask)
+        out = attention(qn, kn, vn, causal=causal, backend=backend)
+        ref, _, _ = oracle(qn, kn, vn, causal=causal)
+        peer, _ = peer_error(q, k, v, causal=causal)
+        got = out.isnan().all(-1).cpu()
+        assert (got | ~rows).all(), "a row that sees the NaN value is not NaN"
+        assert (out.isnan().any(-1).cpu() == got).all(), "a row is NaN in some columns only"
+        leaked = got & ~rows
+        seen_by = visible[:, index].nonzero()
+        if leaked.any():
+            first = int(seen_by[0]) if len(seen_by) else nq
+            leaked_rows = leaked.any(0).any(0).nonzero().flatten()
+            assert leaked[:, hq // hkv:].sum() == 0, "the NaN reached a query head of another kv head"
+            assert (leaked_rows - first).abs().max() < VALUE_LEAK_ROWS, (index, leaked_rows.tolist())
+        keep = ~got
+        assert_close("out", out[keep], ref.to(out.device)[keep], peer.to(out.device)[keep], ulps=4 * math.sqrt(nk))
 
 
 @pytest.mark.parametrize("backend", ("cute_sm90", "triton_fa2"))
@@ -347,7 +389,7 @@ def test_sdpa_lower_right_causal_keeps_a_nan_key_in_its_rows(dtype, gen):
         qn, kn, vn, rows = poison(q, k, v, "k", index, CAUSAL)
         out = attention(qn, kn, vn, causal=True, backend="sdpa")
         ref, _, _ = oracle(qn, kn, vn, causal=True)
-        peer, _ = peer_error(qn, kn, vn, causal=True)
+        peer, _ = peer_error(q, k, v, causal=True)
         assert_nan_rows("out", out, ref, peer, rows, ulps=4 * math.sqrt(300))
 
 

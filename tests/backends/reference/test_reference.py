@@ -45,7 +45,7 @@ def test_a_nan_reaches_exactly_the_rows_that_see_it(case, tensor, gen):
         qn, kn, vn, rows = poison(q, k, v, tensor, index, mask)
         out, lse = kernels.forward(qn, kn, vn, mask=mask, scale=0.3)
         ref, ref_lse, _ = oracle(qn, kn, vn, mask=mask, scale=0.3)
-        peer, _ = peer_error(qn, kn, vn, mask=mask, scale=0.3)
+        peer, _ = peer_error(q, k, v, mask=mask, scale=0.3)
         assert_nan_rows("out", out, ref, peer, rows, ulps=16)
         assert_nan_rows("lse", lse, ref_lse, ref_lse.float(), rows if tensor != "v" else torch.zeros_like(rows),
                         ulps=16)

@@ -39,7 +39,7 @@ def test_a_nan_reaches_exactly_the_rows_that_see_it(shape, tensor, gen):
         qn, kn, vn, rows = poison(q, k, v, tensor, index, mask)
         out = attention(qn, kn, vn, causal=causal, scale=0.3, backend="sdpa")
         ref, _, _ = oracle(qn, kn, vn, causal=causal, scale=0.3)
-        peer, _ = peer_error(qn, kn, vn, causal=causal, scale=0.3)
+        peer, _ = peer_error(q, k, v, causal=causal, scale=0.3)
         assert_nan_rows("out", out, ref, peer, rows, ulps=16)
 
 

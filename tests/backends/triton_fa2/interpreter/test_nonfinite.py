@@ -45,7 +45,7 @@ def test_a_nan_gives_nan_output_and_lse_in_exactly_the_rows_that_see_it(case, te
         qn, kn, vn, rows = poison(q, k, v, tensor, index, mask)
         out, lse = attention(qn, kn, vn, causal=causal, scale=0.3, return_lse=True, backend=backend)
         ref, ref_lse, _ = oracle(qn, kn, vn, causal=causal, scale=0.3)
-        peer, _ = peer_error(qn, kn, vn, causal=causal, scale=0.3)
+        peer, _ = peer_error(q, k, v, causal=causal, scale=0.3)
         assert_nan_rows("out", out, ref, peer, rows, ulps=32)
         assert_nan_rows("lse", lse, ref_lse, ref_lse.float(), rows if tensor != "v" else torch.zeros_like(rows),
                         ulps=32)
