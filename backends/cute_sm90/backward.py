@@ -14,6 +14,7 @@ from ...dispatch.problem import dtype_name
 from ...runtime import cute
 from ...runtime.triton_launch import launch
 from ..shared.cute_host import LOG2_E, CuteVariant, elements, tma_ready, window_arguments
+from ..shared.inputs import nonnegative_scale
 from . import compile as cc
 from . import bwd_variants
 
@@ -179,7 +180,13 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     """(dq, dk, dv) by ``variant``'s kernel from the forward's output and natural-log LSE (``dk``, ``dv``: where to
     write those, TMA-ready like k; default new tensors; ``window``: a WINDOW variant's (left, right), causal folded
     in, -1 unbounded). The fp32 dQ accumulator (4 bytes per element of q) is the workspace this adds to the
-    inputs' size."""
+    inputs' size.
+
+    The kernel scales masked scores (-inf) like the forward does, so a negative or zero scale goes into q first
+    (nonnegative_scale: q' = q * scale / scale'). Its dK = scale' dS^T q' is then already scale dS^T q, and dQ is
+    scale dS K from the accumulator of dS K: the caller's scale, not scale'."""
+    dq_scale = scale
+    q, scale = nonnegative_scale(q, scale)
     q, k, v, dout = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(dout)
     lse2, delta = row_statistics(out, dout, lse, dlse, variant.tile.tile_m)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -190,4 +197,4 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     dv = torch.empty_like(v) if dv is None else dv
     bounds = window_arguments(window, q.shape[2], k.shape[2]) if variant.window else ()
     variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dq_order, dk, dv, scale * LOG2_E, scale, *bounds)
-    return dq_from_accumulator(dq_accum, q, scale), dk, dv
+    return dq_from_accumulator(dq_accum, q, dq_scale), dk, dv

@@ -344,7 +344,7 @@ def test_a_nan_value_stays_near_its_key_tile(backend, case, gen):
         out = attention(qn, kn, vn, causal=causal, backend=backend)
         ref, _, _ = oracle(qn, kn, vn, causal=causal)
         peer, _ = peer_error(q, k, v, causal=causal)
-        got = out.isnan().all(-1).cpu()
+        rows, got = rows.cpu(), out.isnan().all(-1).cpu()
         assert (got | ~rows).all(), "a row that sees the NaN value is not NaN"
         assert (out.isnan().any(-1).cpu() == got).all(), "a row is NaN in some columns only"
         leaked = got & ~rows
@@ -354,7 +354,7 @@ def test_a_nan_value_stays_near_its_key_tile(backend, case, gen):
             leaked_rows = leaked.any(0).any(0).nonzero().flatten()
             assert leaked[:, hq // hkv:].sum() == 0, "the NaN reached a query head of another kv head"
             assert (leaked_rows - first).abs().max() < VALUE_LEAK_ROWS, (index, leaked_rows.tolist())
-        keep = ~got
+        keep = (~got).to(out.device)
         assert_close("out", out[keep], ref.to(out.device)[keep], peer.to(out.device)[keep], ulps=4 * math.sqrt(nk))
 
 

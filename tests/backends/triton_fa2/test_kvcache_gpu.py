@@ -14,7 +14,7 @@ from attnforge.api import _causal_mask
 from attnforge.backends.triton_fa2 import variants
 from attnforge.testing import assert_close, oracle, peer_error
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 LENGTHS = [0, 1, 17, 1023, 4099]
 HEAD_DIMS = sorted(variants.KVCACHE["sm90"])

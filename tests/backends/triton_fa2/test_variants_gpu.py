@@ -12,7 +12,7 @@ import attnforge
 from attnforge.api import _causal_mask
 from attnforge.testing import assert_close, assert_grads_close, oracle, peer_error
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 # (seqlen_q, seqlen_k, heads_q, heads_kv, causal, window, softcap, sinks, alibi)
 CASES = [

@@ -13,7 +13,7 @@ from attnforge.api import _causal_mask
 from attnforge.backends.triton_fa2 import variants
 from attnforge.testing import assert_close, assert_grads_close, oracle, peer_error
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 LENGTHS_Q = [17, 0, 1, 1023, 113, 4099]
 LENGTHS_K = [17, 9, 0, 1023, 4099, 113]
