@@ -261,8 +261,11 @@ def _run_backward(backend, variant, problem: Problem) -> tuple[str, ...]:
     q, k, v, dout, scale, features = _tiny_inputs(problem)
     fp64 = dict(mask=problem.mask, scale=scale, dout=_on_host(dout), **_on_host(features))
     host = [_on_host(x) for x in (q, k, v)]
-    ref_out, ref_lse, ref_grads = oracle(*host, **fp64)  # on the CPU, as in _run
-    _, peer_grads = peer_error(*host, **fp64)
+    # (the references take gradients by autograd, and a backward's first use may come where grad mode is off:
+    # inside torch.no_grad(), or inside autograd's own backward pass)
+    with torch.enable_grad():
+        ref_out, ref_lse, ref_grads = oracle(*host, **fp64)  # on the CPU, as in _run
+        _, peer_grads = peer_error(*host, **fp64)
     call = Call(q, k, v, scale, problem.mask, varlen=_tiny_varlen(problem), **features)
     grads = backend.backward(variant, call, ref_out.to(q.device, q.dtype), ref_lse.to(q.device, torch.float32), dout)
     for name, x, ref, peer in zip(("dq", "dk", "dv"), map(_on_host, grads), ref_grads, peer_grads):

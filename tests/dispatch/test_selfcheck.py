@@ -280,6 +280,20 @@ def test_a_backward_variant_is_checked_on_first_use(fresh, monkeypatch, gen):
     assert [key for key, _ in selfcheck.costs if key.startswith("bwd:reference|")], selfcheck.costs
 
 
+@pytest.mark.parametrize("factor, passes", [(1.0, True), (1.1, False)])
+def test_a_backward_first_met_with_grad_mode_off_is_still_judged(fresh, monkeypatch, gen, factor, passes):
+    """A backward decided where grad mode is off (inside torch.no_grad(), or inside autograd's backward pass, as
+    when a backward op decides its own plan) is judged like any other, not disabled by the oracle's autograd."""
+    checked_reference(monkeypatch, factor)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        d = attnforge.explain(q, k, v, causal=True, needs_grad=True, backend="reference")
+    if passes:
+        assert d.backward.backend == "reference"
+    else:
+        assert d.backward.reasons_of("reference")[0].startswith("self-check failed: the backward's dq is off by")
+
+
 def test_a_wrong_backward_is_caught_and_forcing_it_says_why(fresh, monkeypatch, gen):
     checked_reference(monkeypatch, factor=1.1)
     q, k, v = (torch.randn(1, 2, 20, 16, generator=gen).requires_grad_() for _ in range(3))
