@@ -74,6 +74,32 @@ def runners(seqs, heads, d, causal, gen, mode):
         "triton_fa2 dense (same tokens)": step(lambda: attnforge.attention(*dense, causal=causal, layout="bshd",
                                                                           backend="triton_fa2"), dense_dout),
     }
+    if grad and torch.cuda.get_device_capability() == (9, 0):
+        # cute_sm90's packed forward followed by each backward that can follow it, through the ops (the Decision of
+        # the backward op forced to that backend): the pairings side by side on the same inputs. cute_sm90's packed
+        # backward is timed whether or not dispatch serves it yet (bwd_variants.PACKED, set for this process).
+        from attnforge.backends.cute_sm90 import bwd_variants
+        from attnforge.dispatch.select import clear_caches
+        from attnforge.op import attention_varlen_backward_op
+
+        if not bwd_variants.PACKED:
+            print("  cute_sm90's packed backward is not served by default (bwd_variants.PACKED): served in this run")
+            bwd_variants.PACKED = True
+            clear_caches()
+
+        scale = d ** -0.5
+
+        def pair(backward):
+            def run():
+                with torch.no_grad():
+                    out, lse = attnforge.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal,
+                                                          return_lse=True, backend="cute_sm90")
+                return attention_varlen_backward_op(dout, q, k, v, cu, cu, longest, longest, out, lse, None, causal,
+                                                    -1, -1, scale, 0.0, None, None, False, False,
+                                                    backward)
+            return run
+        fns["cute_sm90 fwd + cute_sm90 bwd"] = pair("cute_sm90")
+        fns["cute_sm90 fwd + triton_fa2 bwd"] = pair("triton_fa2")
     try:
         from flash_attn.cute import flash_attn_varlen_func
 

@@ -3,8 +3,8 @@
 Kernels are rendered from templates/cute_sm90_fwd.py.jinja into the cache, one module per tile of
 variants.py; runtime/cute.py compiles them (once per machine, cached on disk) and calls them through TVM
 FFI. The backward (templates/cute_sm90_bwd.py.jinja, tiles in bwd_variants.py, host side in backward.py)
-serves 16-bit head dims 64 and 128; the others go to the next backend's backward, and the Decision shows
-that choice.
+serves 16-bit head dims 64 and 128 (packed batches: see bwd_variants.PACKED); the others go to the next backend's
+backward, and the Decision shows that choice.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class CuteSm90Backend(Backend):
         softcap=True,  # SOFTCAP forward kernels (16-bit); the backward refuses it (_plan_backward)
         sinks=True,  # SINKS forward kernels (16-bit); the backward needs nothing (P from the LSE, which counts it)
         alibi=True,  # ALIBI forward kernels (16-bit); the backward refuses it (_plan_backward)
-        varlen=True,  # VARLEN forward kernels (16-bit); the backward refuses it (_plan_backward: triton_fa2's runs it)
+        varlen=True,  # VARLEN forward kernels (16-bit); the backward's: bwd_variants.PACKED (_plan_backward)
         nondeterministic_backward="dQ is summed by TMA reduce-add in the order the CTAs reach it",
         deterministic_backward="dQ summed in key-block order",
     )
@@ -160,22 +160,26 @@ class CuteSm90Backend(Backend):
             reasons.append(f"the backward takes fp16 or bf16, not {problem.dtype}")
         if problem.softcap or problem.alibi:
             reasons.append("its backward has no softcap or ALiBi (the forward has)")
-        if problem.varlen:
-            reasons.append("its backward takes no packed (varlen) batch (the forward does)")
         if problem.mask.windowed and problem.deterministic:
             reasons.append("its deterministic backward has no sliding window (the default one has)")
+        if problem.varlen and not bwd_variants.PACKED:
+            reasons.append(bwd_variants.PACKED_REASON)
+        elif problem.varlen and problem.deterministic:
+            reasons.append("its deterministic backward takes no packed (varlen) batch (the default one does)")
         tile, why = bwd_variants.pick(problem.head_dim)
         reasons += why
         if reasons:
             return None, reasons
         return bwd.Sm90BwdVariant(tile, problem.head_dim, problem.dtype, problem.causal, problem.deterministic,
-                                  problem.mask.windowed), []
+                                  problem.mask.windowed, problem.varlen), []
 
     def passed_over_backward(self, problem: Problem) -> list[str]:
         """Automatic dispatch takes this backward only where the arch's cost table measures the pairing (see
-        bwd_variants.PLAN)."""
+        bwd_variants.PLAN); for a packed batch, which tables do not time, where it measures the pairing for the
+        dense batch of the same sequence count and longest lengths (see bwd_variants.PLAN)."""
         table = cost_model.table(problem.device.arch)
-        if table is not None and table.estimate(bwd_variants.PLAN, problem, "fwd+bwd") is not None:
+        dense = dataclasses.replace(problem, varlen=False) if problem.varlen else problem
+        if table is not None and table.estimate(bwd_variants.PLAN, dense, "fwd+bwd") is not None:
             return []
         return [bwd_variants.NOT_AUTO_BECAUSE]
 
@@ -214,8 +218,12 @@ class CuteSm90Backend(Backend):
                 if back is not None:
                     modes = (False, True) if deterministic else (False,)
                     out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, det) for det in modes for flag in causal]
-                    if any("window" in kinds for kinds in features):  # build --features window: its backward too
-                        out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, False, True) for flag in causal]
+                    # build --features window / varlen / window+varlen...: the backwards of those feature sets too
+                    for window, varlen in sorted({("window" in kinds, "varlen" in kinds) for kinds in features
+                                                  if kinds & {"window", "varlen"}
+                                                  and ("varlen" not in kinds or bwd_variants.PACKED)}):
+                        out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, False, window, varlen)
+                                for flag in causal]
         return out
 
     def builds(self, variant: Sm90Variant | bwd.Sm90BwdVariant) -> list:
@@ -244,4 +252,5 @@ class CuteSm90Backend(Backend):
 
     def backward(self, variant: bwd.Sm90BwdVariant, call, out, lse, dout, dlse=None):
         return bwd.run(variant, call.q, call.k, call.v, out, lse, dout, call.scale, dlse,
-                       window=call.mask.window_bounds if variant.window else None)
+                       window=call.mask.window_bounds if variant.window else None,
+                       packed=call.varlen if variant.varlen else None)

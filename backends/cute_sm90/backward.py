@@ -14,6 +14,7 @@ from ...dispatch.problem import dtype_name
 from ...runtime import cute
 from ...runtime.triton_launch import launch
 from ..shared.cute_host import LOG2_E, CuteVariant, elements, tma_ready, window_arguments
+from ..shared.cute_varlen import key_tables, packed_rows
 from ..shared.inputs import nonnegative_scale
 from . import compile as cc
 from . import bwd_variants
@@ -26,8 +27,8 @@ FACTORY = f"{__name__}:compile_arguments"  # what runtime.cute calls to trace a 
 class Sm90BwdVariant(CuteVariant):
     """One compiled cute_sm90 backward: a backward tile of the table for a head dim, dtype and causality;
     ``deterministic``: its dQ reduce-adds ordered by key block (bitwise reproducible); ``window``: the template's
-    WINDOW (the window itself is the call's). Sinks need nothing of the kernel: P comes from the forward's LSE,
-    which counts the sink, and dsinks from the output and LSE."""
+    WINDOW (the window itself is the call's); ``varlen``: its VARLEN (a packed batch). Sinks need nothing of the
+    kernel: P comes from the forward's LSE, which counts the sink, and dsinks from the output and LSE."""
 
     tile: bwd_variants.Sm90BwdTile
     head_dim: int
@@ -35,6 +36,7 @@ class Sm90BwdVariant(CuteVariant):
     causal: bool
     deterministic: bool = False
     window: bool = False
+    varlen: bool = False
     compile_module = cc
 
     @property
@@ -44,7 +46,7 @@ class Sm90BwdVariant(CuteVariant):
     @property
     def source(self) -> Source:
         return Source.of(TEMPLATE, {**self.tile.params(self.head_dim), "deterministic": self.deterministic,
-                                    "window": self.window}, self.module)
+                                    "window": self.window, "varlen": self.varlen}, self.module)
 
     factory = FACTORY
 
@@ -53,12 +55,13 @@ class Sm90BwdVariant(CuteVariant):
                 + self.feature_note)
 
 
-def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False):
+def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False, varlen: bool = False):
     """Fake arguments for cute.compile, in __call__'s order: q, k, v, dout (batch, heads, seqlen, head_dim) with
     symbolic sizes and 16-byte aligned strides, the LSE (log2) and delta (batch, heads, seqlen_q padded), the
     fp32 dQ accumulator (batch, heads, seqlen_q, head_dim), the int32 dQ order counts (batch, heads, query
     blocks; read by the deterministic kernels only), dk, dv, scale_log2, scale, with ``window`` the Int32 window
-    bounds (left, right), and the stream."""
+    bounds (left, right), with ``varlen`` the int32 offsets cu_seqlens_q and cu_seqlens_k (batch + 1,) and the key
+    tile table (tiles, 2) (cute_varlen.key_tile_table), and the stream."""
     cutlass = cute.import_cutlass(arch)
     import cutlass.cute as cute_dsl
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -82,15 +85,20 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False):
     dq_order = make_fake_tensor(cutlass.Int32, (batch, heads_q, q_blocks),
                                 (cute_dsl.sym_int64(), cute_dsl.sym_int64(), 1), assumed_align=4)
     bounds = (cutlass.Int32(1), cutlass.Int32(1)) if window else ()
+    packed = ()
+    if varlen:
+        packed = (*(make_fake_tensor(cutlass.Int32, (cute_dsl.sym_int32(),), (1,), assumed_align=4) for _ in range(2)),
+                  make_fake_tensor(cutlass.Int32, (cute_dsl.sym_int32(), 2), (2, 1), assumed_align=8))
     return (q, k, v, dout, rows(), rows(), dq_accum, dq_order, dk, dv, cutlass.Float32(1.0), cutlass.Float32(1.0),
-            *bounds, make_fake_stream(use_tvm_ffi_env_stream=True))
+            *bounds, *packed, make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def compile_arguments(module, dtype: str, causal: bool, arch: str):
     """runtime.cute's factory for the backward modules: the module's Backward and its fake arguments."""
     element, _ = elements(dtype, arch)
     return module.Backward(element, causal), fake_arguments(dtype, module.INPUT_HEAD_DIM, arch,
-                                                            window=getattr(module, "WINDOW", False))
+                                                            window=getattr(module, "WINDOW", False),
+                                                            varlen=getattr(module, "VARLEN", False))
 
 
 def row_statistics(out, dout, lse, dlse, tile_m: int, use_triton: bool | None = None):
@@ -126,6 +134,18 @@ def _row_statistics_torch(out, dout, lse, dlse, padded: int):
     if dlse is not None:
         delta[..., :n] -= dlse.float()
     return lse2, delta
+
+
+def spread_rows(lse2: torch.Tensor, delta: torch.Tensor, index: torch.Tensor, rows: int):
+    """A packed batch's row statistics (1, heads, total_q padded) moved to the packed backward's padded rows
+    (cute_varlen.padded_rows: ``index`` per packed row, ``rows`` in all); the rows between sequences get +inf and 0,
+    as padding rows do."""
+    total = index.numel()
+    spread_lse = lse2.new_full((*lse2.shape[:2], rows), math.inf)
+    spread_delta = delta.new_zeros((*delta.shape[:2], rows))
+    spread_lse[..., index] = lse2[..., :total]
+    spread_delta[..., index] = delta[..., :total]
+    return spread_lse, spread_delta
 
 
 def dq_from_accumulator(acc: torch.Tensor, q: torch.Tensor, scale: float, use_triton: bool | None = None):
@@ -176,10 +196,12 @@ def aot_builds(dtype: str, head_dim: int, arch: str = "sm90") -> list:
     return [build("row_statistics", _dims(head_dim)), build("scale_dq", _dims(head_dim))]
 
 
-def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=None, dk=None, dv=None, window=None):
+def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=None, dk=None, dv=None, window=None,
+        packed=None):
     """(dq, dk, dv) by ``variant``'s kernel from the forward's output and natural-log LSE (``dk``, ``dv``: where to
     write those, TMA-ready like k; default new tensors; ``window``: a WINDOW variant's (left, right), causal folded
-    in, -1 unbounded). The fp32 dQ accumulator (4 bytes per element of q) is the workspace this adds to the
+    in, -1 unbounded; ``packed``: a VARLEN variant's dispatch.call.Varlen, the tensors then (1, heads, total, dim)
+    views of the packed ones). The fp32 dQ accumulator (4 bytes per element of q) is the workspace this adds to the
     inputs' size.
 
     The kernel scales masked scores (-inf) like the forward does, so a negative or zero scale goes into q first
@@ -196,5 +218,10 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     bounds = window_arguments(window, q.shape[2], k.shape[2]) if variant.window else ()
+    if variant.varlen:
+        bounds_q, bounds_k = packed.bounds()
+        tiles = key_tables(bounds_q, bounds_k, variant.tile.tile_m, variant.tile.tile_n, variant.causal, q.device)
+        bounds = (*bounds, packed.cu_seqlens_q, packed.cu_seqlens_k, tiles)
+        lse2, delta = spread_rows(lse2, delta, *packed_rows(bounds_q, variant.tile.tile_m, q.device))
     variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dq_order, dk, dv, scale * LOG2_E, scale, *bounds)
     return dq_from_accumulator(dq_accum, q, dq_scale), dk, dv

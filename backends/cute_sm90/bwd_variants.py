@@ -19,12 +19,24 @@ HEAD_DIMS = (64, 128)
 # (dispatch/costs/<arch>.json) covers the pairing PLAN for the problem, which then competes with the other
 # measured plans; elsewhere it is passed over with this reason, which the Decision quotes. The shipped sm90 table
 # measures it at head dims 64 and 128 with 16k tokens per call (`attnforge tune --costs --head-dim 64,128 --tokens
-# 16384` on the H200, merged in by `--merge`); `attnforge tune --costs` measures it wherever it runs.
+# 16384` on the H200, merged in by `--merge`); `attnforge tune --costs` measures it wherever it runs. Tables time no
+# packed (varlen) batch: one is judged by the dense batch of its sequence count and longest lengths, the packed kernel
+# being the dense one with per-sequence offsets and a heaviest-first key-block table (benchmarks/bench_varlen.py
+# times the packed training step against triton_fa2's VARLEN backward: docs/performance.md).
 PLAN = "cute_sm90+cute_sm90"
 NOT_AUTO_BECAUSE = ("the cost table does not measure its pairing (cute_sm90+cute_sm90) for this problem; at "
                     "N >= 4k it measured 0.97-1.16x cuDNN's SDPA forward+backward and 0.88-0.97x FlashAttention-4's "
                     "(H200, bf16; docs/performance.md, benchmarks/results/2026-12-01-h200-cute_sm90-bwd-order/); "
                     "backend='cute_sm90' runs it")
+# The packed (VARLEN) backward kernel compiles for sm_90a with its SASS checked (tests/backends/cute_sm90/
+# test_compile.py). On the H200 it matched fp32 math where every sequence's first query row was a multiple of four,
+# and faulted on the LSE's TMA load elsewhere (a TMA load's first element in its innermost dimension must be 16-byte
+# aligned); the LSE and delta rows are now padded per sequence (VARLEN in the template), which has not yet run on a
+# GPU. Until tests/backends/cute_sm90/test_gpu_varlen.py passes with it, packed batches are refused (PACKED_REASON)
+# and triton_fa2's VARLEN backward runs them.
+PACKED = False
+PACKED_REASON = ("its packed (varlen) backward kernel is not served until its GPU tests pass "
+                 "(backends/cute_sm90/bwd_variants.py, PACKED)")
 # Per consumer thread beyond the accumulators and P: addresses, loop state, the LSE and delta of its columns.
 # A rough figure: ptxas decides, and the compile test fails on a spill the table does not accept.
 REGISTER_OVERHEAD = 16

@@ -177,6 +177,28 @@ def test_window_backward_compiles_with_its_gemms_unserialized(tmp_path, variant)
     assert usage["stack_bytes"] <= allowed and usage["local_bytes"] == 0, usage
 
 
+# The backward's packed (VARLEN) kernels, bf16, with and without the window: what `attnforge build --features
+# varlen,varlen+window` builds once bwd_variants.PACKED serves them
+VARLEN_BWD = [Sm90BwdVariant(bwd_variants.pick(d)[0], d, "bf16", causal, False, window, True)
+              for d in bwd_variants.HEAD_DIMS for window in (False, True) for causal in (False, True)]
+# measured here (stack bytes): d=64 causal 40 (8 dense; 24 with the window), d=128 causal 8 (0 dense); not yet timed
+VARLEN_BWD_SPILL_BYTES = {64: 40, 128: 8}
+
+
+@pytest.mark.parametrize("variant", VARLEN_BWD, ids=[v.name for v in VARLEN_BWD])
+def test_varlen_backward_compiles_with_tma_loads_reduce_add_and_its_gemms_unserialized(tmp_path, variant):
+    cute.compile_to(variant.build, str(tmp_path))
+    (cubin,) = tmp_path.glob("*.sm_90a.cubin")
+    sass = cuobjdump("-sass", str(cubin))
+    seen = collections.Counter(m.split(".")[0] for m in re.findall(r"\b(?:UTMALDG|UTMAREDG|USETMAXREG|STSM)\.[\w.]+", sass))
+    assert seen["UTMALDG"] and seen["UTMAREDG"] and seen["STSM"] and seen["USETMAXREG"] == 2, seen
+    mmas, waits = len(re.findall(r"\bHGMMA\.", sass)), len(re.findall(r"WARPGROUP\.DEPBAR", sass))
+    assert (waits < mmas / 2) != variant.tile.accepts_serialized_wgmma, f"{waits} waits for {mmas} WGMMAs"
+    usage = resources(cubin.read_bytes())
+    allowed = max(variant.tile.accepted_spill_bytes, VARLEN_BWD_SPILL_BYTES.get(variant.head_dim, 0))
+    assert usage["stack_bytes"] <= allowed and usage["local_bytes"] == 0, usage
+
+
 @pytest.mark.parametrize("variant", BWD_VARIANTS + DETERMINISTIC, ids=[v.name for v in BWD_VARIANTS + DETERMINISTIC])
 def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_path, variant):
     tile, head_dim = variant.tile, variant.head_dim

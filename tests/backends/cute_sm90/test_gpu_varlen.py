@@ -2,8 +2,11 @@
 math per sequence, outputs NaN-filled before the call (poisoned_empty) so a row no CTA writes shows: mixed lengths
 (0, 1, 17, 64, 113, 128, 1023, 4099) with Nq != Nk per sequence, so tiles end mid-warpgroup (register stores) and on
 a warpgroup's edge (TMA stores), sequences with queries and no keys, GQA, causal, windows, softcap, sinks and ALiBi,
-every tile family of the table (d=8 with its padded head dim); the backward (triton_fa2's VARLEN, from this
-forward's output and LSE) on the plain cases."""
+every tile family of the table (d=8 with its padded head dim); the backward from this forward's output and LSE on the
+plain cases: cute_sm90's packed backward at head dims 64 and 128, served here whatever bwd_variants.PACKED says
+(sequences with keys and no queries included: their dK and dV are zeros it must write; sequences starting at rows
+that are not a multiple of four: the LSE's padded rows), triton_fa2's VARLEN one at the others; and cute_sm90's
+packed backward with sliding windows."""
 
 import math
 
@@ -12,9 +15,18 @@ import torch
 
 import attnforge
 from attnforge.api import _causal_mask
+from attnforge.backends.cute_sm90 import bwd_variants
+from attnforge.dispatch.select import clear_caches
 from attnforge.testing import assert_close, assert_grads_close, needs_gpu, oracle, peer_error
 
 pytestmark = [pytest.mark.gpu, needs_gpu((9, 0), "sm90")]
+
+
+@pytest.fixture(autouse=True)
+def packed_backward_served(monkeypatch):
+    """cute_sm90's packed backward served (bwd_variants.PACKED), these tests being what its serving waits for."""
+    monkeypatch.setattr(bwd_variants, "PACKED", True)
+    clear_caches()
 
 LENGTHS_Q = [17, 0, 1, 1023, 113, 4099, 128, 64]
 LENGTHS_K = [17, 9, 0, 1023, 4099, 113, 128, 200]
@@ -50,6 +62,9 @@ def test_packed_forward_matches_fp64_per_sequence(case, dtype, head_dim, gen, po
                                               return_lse=True, backend="cute_sm90")
     decision = attnforge.last_decision()
     assert decision.forward.backend == "cute_sm90" and decision.forward.variant.varlen
+    if grad:
+        assert decision.backward.variant.varlen
+        assert decision.backward.backend == ("cute_sm90" if head_dim in (64, 128) else "triton_fa2"), decision
     dout = torch.randn(out.shape, generator=gen).to("cuda", dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout) if grad else None
     for name, t in (("out", out), ("lse", lse), *(zip(("dq", "dk", "dv"), grads) if grad else ())):
@@ -82,9 +97,51 @@ def test_packed_forward_matches_fp64_per_sequence(case, dtype, head_dim, gen, po
             assert_grads_close(mine, ref_grads[:3], peer_grads[:3], *bhsd, mask, scale, 2 * ulps)
 
 
-def test_automatic_dispatch_takes_the_packed_forward_and_triton_fa2s_backward(gen):
+# (heads_q, heads_kv, causal, window): a window on the left with causal, on both sides without
+WINDOW_CASES = [(8, 2, True, (255, -1)), (4, 4, False, (17, 100)), (4, 1, False, (300, 0))]
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 128)],
+                         ids=("bf16_d64", "bf16_d128", "fp16_d128"))
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=str)
+def test_packed_backward_with_a_window_matches_fp64_per_sequence(case, dtype, head_dim, gen, poisoned_empty):
+    hq, hkv, causal, window = case
+    q, k, v, cu_q, cu_k = packed(gen, hq, hkv, head_dim, dtype)
+    out = attnforge.attention_varlen(q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), causal=causal,
+                                     window_size=window, backend="cute_sm90")
+    decision = attnforge.last_decision()
+    assert decision.backward.backend == "cute_sm90" and decision.backward.variant.varlen
+    assert decision.backward.variant.window
+    dout = torch.randn(out.shape, generator=gen).to("cuda", dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for name, t in zip(("dq", "dk", "dv"), grads):
+        assert not t.isnan().any(), f"{name}: NaN (an unwritten row, or a wrong one)"
+    mask, scale = _causal_mask(causal, window), head_dim ** -0.5
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(LENGTHS_Q)):
+        rows, keys = slice(bq[b], bq[b + 1]), slice(bk[b], bk[b + 1])
+        if rows.stop == rows.start or keys.stop == keys.start:  # no queries: dK = dV = 0; no keys: dQ = 0
+            for g, span in ((grads[0], rows), (grads[1], keys), (grads[2], keys)):
+                assert (g[span] == 0).all()
+            continue
+        bhsd = [t.detach().transpose(0, 1).unsqueeze(0) for t in (q[rows], k[keys], v[keys], dout[rows])]
+        _, _, ref_grads = oracle(*bhsd[:3], mask=mask, scale=scale, dout=bhsd[3])
+        _, peer_grads = peer_error(*bhsd[:3], mask=mask, scale=scale, dout=bhsd[3])
+        ulps = 8 * math.sqrt(max(rows.stop - rows.start, keys.stop - keys.start, head_dim, 128))
+        mine = [g.transpose(0, 1).unsqueeze(0) for g in (grads[0][rows], grads[1][keys], grads[2][keys])]
+        assert_grads_close(mine, ref_grads[:3], peer_grads[:3], *bhsd, mask, scale, ulps)
+
+
+@pytest.mark.cost_tables
+def test_automatic_dispatch_takes_the_packed_forward_and_backward(gen):
+    """A packed batch whose dense twin (sequence count, longest lengths) the shipped table measures takes cute_sm90's
+    packed backward; deterministic=True takes triton_fa2's VARLEN one, with the reason."""
     q, k, v, cu_q, cu_k = packed(gen, 8, 2, 128, torch.bfloat16)
     attnforge.attention_varlen(q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), causal=True)
     d = attnforge.last_decision()
     assert d.forward.backend == "cute_sm90" and d.forward.variant.varlen
+    assert d.backward.backend == "cute_sm90" and d.backward.variant.varlen
+    attnforge.attention_varlen(q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), causal=True, deterministic=True)
+    d = attnforge.last_decision()
     assert d.backward.backend == "triton_fa2" and d.backward.variant.varlen
+    assert "takes no packed (varlen) batch" in " ".join(d.backward.reasons_of("cute_sm90"))
