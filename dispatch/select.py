@@ -147,8 +147,21 @@ def _backward(problem: Problem, fwd: registry.Backend, order: tuple[str, ...], f
         name, variant, candidates = _rank(order, verdict)
     notes = [f"in {FP8_BACKWARD_DTYPE} on the dequantised fp8 inputs: there is no FP8 backward"] if fp8 and name else []
     if name:
-        notes.append(registry.registered()[name].support.reproducibility(problem))
+        notes.append(_reproducibility(registry.registered()[name], problem))
     return Choice(name, variant, candidates, "; ".join(notes))
+
+
+def _reproducibility(backend: registry.Backend, problem: Problem) -> str:
+    """The Decision's note on whether ``backend``'s backward of ``problem`` is bitwise reproducible; where the
+    backend's own deterministic backward would not serve this problem (a feature it lacks), the note says so rather
+    than advertise it."""
+    note = backend.support.reproducibility(problem)
+    if problem.deterministic or not backend.support.deterministic_backward or backend.autograd_native:
+        return note
+    _, why = backend.plan_backward(dataclasses.replace(problem, deterministic=True))
+    if not why:
+        return note
+    return f"not bitwise reproducible (deterministic=True takes another backend's backward: {'; '.join(why)})"
 
 
 def _runs_last_resort(backends: dict, forward: str, backward: Choice | None) -> bool:

@@ -22,6 +22,19 @@ def test_forcing_cute_sm90_with_deterministic_takes_its_reproducible_kernel():
     assert default.backward.note == "not bitwise reproducible (deterministic=True: dQ summed in key-block order)"
 
 
+def test_the_note_does_not_offer_a_deterministic_kernel_that_would_not_serve():
+    """A windowed call: cute_sm90's deterministic backward has no window, so the note of its default backward says
+    that deterministic=True takes another backend's backward, and why, instead of offering its own."""
+    d = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=2048, heads=8, needs_grad=True,
+                backend="cute_sm90", causal=True, window_size=(255, 0))
+    assert d.backward.backend == "cute_sm90" and d.backward.variant.window
+    assert d.backward.note == ("not bitwise reproducible (deterministic=True takes another backend's backward: its "
+                               "deterministic backward has no sliding window (the default one has))")
+    fixed = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=2048, heads=8, needs_grad=True,
+                    backend="cute_sm90", causal=True, window_size=(255, 0), deterministic=True)
+    assert fixed.backward.backend == "triton_fa2" and fixed.backward.note == "bitwise reproducible"
+
+
 def test_forcing_cute_sm90_with_deterministic_where_its_backward_does_not_serve():
     """d=96 has no cute_sm90 backward: the next backward that is reproducible (triton_fa2's, no atomics) runs."""
     d = explain(device="H100", dtype="bf16", head_dim=96, seqlen_q=2048, heads=8, needs_grad=True,
