@@ -51,6 +51,21 @@ def refusal(backend, q, k, v, **kw):
     return registered()[backend].supports(explain(q, k, v, **kw).problem)
 
 
+def fused_sdpa(q, k, v, *, causal, scale):
+    """PyTorch's default fused F.scaled_dot_product_attention (bhsd, GQA by repetition) on these inputs."""
+    assert not causal or q.shape[2] == k.shape[2], "torch's is_causal is top-left aligned: square calls only"
+    with torch.no_grad():
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def worse(a, b, ref):
+    """Whichever of a and b is further from ref (max abs error over the finite entries)."""
+    finite = torch.isfinite(ref)
+    err = [(t.double() - ref.double())[finite].abs().max().nan_to_num(float("inf")) for t in (a, b)]
+    return a if err[0] >= err[1] else b
+
+
 def run_case(backend, shape, dtype, causal, gen, layout="bhsd", magnitude=1.0, return_lse=None, device="cpu",
              scale=None):
     """Forward (and LSE) against the fp64 oracle element by element; gradients too, except at large
@@ -72,6 +87,12 @@ def run_case(backend, shape, dtype, causal, gen, layout="bhsd", magnitude=1.0, r
     grads = torch.autograd.grad(out, (q, k, v), dout)
     ref, ref_lse, ref_grads = oracle(q, k, v, causal=causal, dout=dout, scale=scale)
     peer, peer_grads = peer_error(q, k, v, causal=causal, dout=dout, scale=scale)
+    if magnitude != 1.0:
+        # Scores ~1e4 make the output ill-conditioned: where a row's two best scores nearly tie, one ulp
+        # of a score (1e-3 at 1.2e4 in fp32) moves P by ~1e-4. PyTorch's fused SDPA rounds the score
+        # before scaling, at 1/scale its size, so its error there is several times the materialised
+        # math's; both are PyTorch's own error in this dtype, and the worse one sets the bound.
+        peer = worse(peer, fused_sdpa(q, k, v, causal=causal, scale=scale), ref)
     # Rounding accumulates over a reduction like a random walk: sqrt(length) units, on top of 2x
     # PyTorch's own error (which is tiny in fp32, where summation order alone differs by more).
     # The reductions run over the sequence (P V, dS K, ...) and over the head dim (Q K^T, dO V^T).
