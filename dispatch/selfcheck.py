@@ -17,6 +17,7 @@ that were compiled but never run on their hardware (cute_sm100).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import importlib.metadata
 import json
@@ -252,6 +253,15 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
     return ()
 
 
+def _with_autograd(fn):
+    """fn() in a thread of its own: the references take gradients by autograd, and a backward's first use may come
+    where autograd is off for this thread: inside torch.no_grad(), autograd's own backward pass, or a torch.library
+    operator's kernel (the dispatcher excludes autograd below its autograd key, which torch.enable_grad() does not
+    undo). A new thread starts with autograd's defaults."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
+
+
 def _run_backward(backend, variant, problem: Problem) -> tuple[str, ...]:
     """The tiny problem's gradients by the backward ``variant``, on the device, from fp64 math's output (rounded
     to the dtype) and LSE, against fp64 math's gradients; judged by the rule of _run on each of dQ, dK and dV.
@@ -261,11 +271,8 @@ def _run_backward(backend, variant, problem: Problem) -> tuple[str, ...]:
     q, k, v, dout, scale, features = _tiny_inputs(problem)
     fp64 = dict(mask=problem.mask, scale=scale, dout=_on_host(dout), **_on_host(features))
     host = [_on_host(x) for x in (q, k, v)]
-    # (the references take gradients by autograd, and a backward's first use may come where grad mode is off:
-    # inside torch.no_grad(), or inside autograd's own backward pass)
-    with torch.enable_grad():
-        ref_out, ref_lse, ref_grads = oracle(*host, **fp64)  # on the CPU, as in _run
-        _, peer_grads = peer_error(*host, **fp64)
+    (ref_out, ref_lse, ref_grads), (_, peer_grads) = _with_autograd(
+        lambda: (oracle(*host, **fp64), peer_error(*host, **fp64)))  # on the CPU, as in _run
     call = Call(q, k, v, scale, problem.mask, varlen=_tiny_varlen(problem), **features)
     grads = backend.backward(variant, call, ref_out.to(q.device, q.dtype), ref_lse.to(q.device, torch.float32), dout)
     for name, x, ref, peer in zip(("dq", "dk", "dv"), map(_on_host, grads), ref_grads, peer_grads):

@@ -294,6 +294,24 @@ def test_a_backward_first_met_with_grad_mode_off_is_still_judged(fresh, monkeypa
         assert d.backward.reasons_of("reference")[0].startswith("self-check failed: the backward's dq is off by")
 
 
+def test_a_backward_first_met_inside_an_operator_is_still_judged(fresh, monkeypatch, gen):
+    """A backward decided inside a torch.library operator's kernel (attnforge's own backward ops decide there), where
+    the dispatcher has switched autograd off below its autograd key whatever grad mode says, is judged like any
+    other, not disabled by the oracle's autograd."""
+    checked_reference(monkeypatch, factor=1.0)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen) for _ in range(3))
+    seen = []
+
+    @torch.library.custom_op("attnforge_tests::decide_inside", mutates_args=())
+    def decide_inside(x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            seen.append(attnforge.explain(q, k, v, causal=True, needs_grad=True, backend="reference"))
+        return x.clone()
+
+    decide_inside(q)
+    assert seen[0].backward.backend == "reference", seen[0].backward.reasons_of("reference")
+
+
 def test_a_wrong_backward_is_caught_and_forcing_it_says_why(fresh, monkeypatch, gen):
     checked_reference(monkeypatch, factor=1.1)
     q, k, v = (torch.randn(1, 2, 20, 16, generator=gen).requires_grad_() for _ in range(3))
