@@ -29,13 +29,13 @@ NOT_AUTO_BECAUSE = ("the cost table does not measure its pairing (cute_sm90+cute
                     "(H200, bf16; docs/performance.md, benchmarks/results/2026-12-01-h200-cute_sm90-bwd-order/); "
                     "backend='cute_sm90' runs it")
 # The packed (VARLEN) backward kernel compiles for sm_90a with its SASS checked (tests/backends/cute_sm90/
-# test_compile.py). On the H200 it matched fp32 math where every sequence's first query row was a multiple of four,
-# and faulted on the LSE's TMA load elsewhere (a TMA load's first element in its innermost dimension must be 16-byte
-# aligned); the LSE and delta rows are now padded per sequence (VARLEN in the template), which has not yet run on a
-# GPU. Until tests/backends/cute_sm90/test_gpu_varlen.py passes with it, packed batches are refused (PACKED_REASON)
-# and triton_fa2's VARLEN backward runs them.
-PACKED = False
-PACKED_REASON = ("its packed (varlen) backward kernel is not served until its GPU tests pass "
+# test_compile.py). Its LSE and delta rows are padded per sequence (a TMA load's first element in its innermost
+# dimension must be 16-byte aligned; unpadded, it faulted wherever a sequence started at a row that is not a multiple
+# of four). On the H200 (2026-12-03) tests/backends/cute_sm90/test_gpu_varlen.py's packed-backward cases (d=64 and 128,
+# bf16 and fp16, windows, dispatch: 22) passed, and benchmarks/probe_varlen_backward.py's batches all matched fp64
+# math; so it is served. PACKED = False turns it off (packed batches then take triton_fa2's VARLEN backward).
+PACKED = True
+PACKED_REASON = ("its packed (varlen) backward kernel is turned off "
                  "(backends/cute_sm90/bwd_variants.py, PACKED)")
 # Per consumer thread beyond the accumulators and P: addresses, loop state, the LSE and delta of its columns.
 # A rough figure: ptxas decides, and the compile test fails on a spill the table does not accept.
