@@ -243,10 +243,14 @@ def test_a_bad_softcap_is_named(bad):
 
 def test_softcap_is_served_where_declared_and_refused_with_the_reason_elsewhere():
     d = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, softcap=50.0, needs_grad=True)
-    # cute_sm90's forward has a SOFTCAP kernel, its backward does not: triton_fa2's runs from the saved LSE
+    # cute_sm90 has SOFTCAP forward and backward kernels; automatic dispatch takes the backward only where the cost
+    # table measures the pairing, which it does not with a softcap: triton_fa2's runs from the saved LSE, and says so
     assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "triton_fa2")
     assert d.forward.variant.softcap and d.backward.variant.softcap and "+softcap" in d.forward.describe()
-    assert "its backward has no softcap or ALiBi" in " ".join(d.backward.reasons_of("cute_sm90"))
+    assert "the cost table does not measure its pairing" in " ".join(d.backward.reasons_of("cute_sm90"))
+    forced = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, softcap=50.0,
+                     alibi=True, needs_grad=True, backend="cute_sm90")
+    assert forced.backward.backend == "cute_sm90" and "+softcap+alibi" in forced.backward.describe()
     assert "softcap is not supported" in d.forward.reasons_of("sdpa")
     fp8 = explain(device="H100", dtype="fp8", head_dim=128, seqlen_q=4096, softcap=50.0)
     assert "its fp8 kernel has no sliding window, softcap, sinks or ALiBi" in " ".join(fp8.forward.reasons_of("cute_sm90"))

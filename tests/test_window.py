@@ -139,8 +139,8 @@ def test_forcing_cute_sm90_runs_its_window_backward_but_not_the_deterministic_on
                             window_size=(1024, 0), needs_grad=True, deterministic=True)
     assert "its deterministic backward has no sliding window" in " ".join(det.backward.reasons_of("cute_sm90"))
     capped = attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, softcap=30.0,
-                               needs_grad=True, backend="cute_sm90")
-    assert capped.backward.backend != "cute_sm90"
+                               window_size=(1024, 0), needs_grad=True, backend="cute_sm90")
+    assert capped.backward.backend == "cute_sm90" and capped.backward.variant.name.endswith("_window_softcap.bf16.full")
 
 
 def test_sdpa_says_it_materialises_the_window_mask():

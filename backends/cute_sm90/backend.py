@@ -124,9 +124,9 @@ class CuteSm90Backend(Backend):
         dropout=False,  # no Philox mask in the kernel; sdpa serves dropout
         empty=False,  # zero-sized grids; reference serves empty problems
         window=True,  # WINDOW forward and backward kernels (16-bit; not the deterministic backward: _plan_backward)
-        softcap=True,  # SOFTCAP forward kernels (16-bit); the backward refuses it (_plan_backward)
+        softcap=True,  # SOFTCAP forward and backward kernels (16-bit)
         sinks=True,  # SINKS forward kernels (16-bit); the backward needs nothing (P from the LSE, which counts it)
-        alibi=True,  # ALIBI forward kernels (16-bit); the backward refuses it (_plan_backward)
+        alibi=True,  # ALIBI forward and backward kernels (16-bit)
         varlen=True,  # VARLEN forward kernels (16-bit); the backward's: bwd_variants.PACKED (_plan_backward)
         nondeterministic_backward="dQ is summed by TMA reduce-add in the order the CTAs reach it",
         deterministic_backward="dQ summed in key-block order",
@@ -158,8 +158,6 @@ class CuteSm90Backend(Backend):
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         if cc.KIND[problem.dtype] != "16bit":
             reasons.append(f"the backward takes fp16 or bf16, not {problem.dtype}")
-        if problem.softcap or problem.alibi:
-            reasons.append("its backward has no softcap or ALiBi (the forward has)")
         if problem.mask.windowed and problem.deterministic:
             reasons.append("its deterministic backward has no sliding window (the default one has)")
         if problem.varlen and not bwd_variants.PACKED:
@@ -171,7 +169,7 @@ class CuteSm90Backend(Backend):
         if reasons:
             return None, reasons
         return bwd.Sm90BwdVariant(tile, problem.head_dim, problem.dtype, problem.causal, problem.deterministic,
-                                  problem.mask.windowed, problem.varlen), []
+                                  problem.mask.windowed, problem.varlen, bool(problem.softcap), problem.alibi), []
 
     def passed_over_backward(self, problem: Problem) -> list[str]:
         """Automatic dispatch takes this backward only where the arch's cost table measures the pairing (see
@@ -218,11 +216,14 @@ class CuteSm90Backend(Backend):
                 if back is not None:
                     modes = (False, True) if deterministic else (False,)
                     out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, det) for det in modes for flag in causal]
-                    # build --features window / varlen / window+varlen...: the backwards of those feature sets too
-                    for window, varlen in sorted({("window" in kinds, "varlen" in kinds) for kinds in features
-                                                  if kinds & {"window", "varlen"}
-                                                  and ("varlen" not in kinds or bwd_variants.PACKED)}):
-                        out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, False, window, varlen)
+                    # build --features window / softcap / varlen / window+varlen...: the backwards of those
+                    # feature sets too (sinks need no backward kernel of their own)
+                    kernel_kinds = {"window", "softcap", "alibi", "varlen"}
+                    for kinds in sorted({frozenset(kinds & kernel_kinds) for kinds in features
+                                         if kinds & kernel_kinds and ("varlen" not in kinds or bwd_variants.PACKED)},
+                                        key=sorted):
+                        out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, False, "window" in kinds,
+                                                   "varlen" in kinds, "softcap" in kinds, "alibi" in kinds)
                                 for flag in causal]
         return out
 
@@ -251,6 +252,5 @@ class CuteSm90Backend(Backend):
         return out, lse
 
     def backward(self, variant: bwd.Sm90BwdVariant, call, out, lse, dout, dlse=None):
-        return bwd.run(variant, call.q, call.k, call.v, out, lse, dout, call.scale, dlse,
-                       window=call.mask.window_bounds if variant.window else None,
+        return bwd.run(variant, call.q, call.k, call.v, out, lse, dout, call.scale, dlse, scores=call,
                        packed=call.varlen if variant.varlen else None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 
 import torch
 
@@ -13,7 +14,7 @@ from ...codegen import Source
 from ...dispatch.problem import dtype_name
 from ...runtime import cute
 from ...runtime.triton_launch import launch
-from ..shared.cute_host import LOG2_E, CuteVariant, elements, tma_ready, window_arguments
+from ..shared.cute_host import LOG2_E, CuteVariant, elements, score_arguments, tma_ready
 from ..shared.cute_varlen import key_tables, packed_rows
 from ..shared.inputs import nonnegative_scale
 from . import compile as cc
@@ -27,8 +28,9 @@ FACTORY = f"{__name__}:compile_arguments"  # what runtime.cute calls to trace a 
 class Sm90BwdVariant(CuteVariant):
     """One compiled cute_sm90 backward: a backward tile of the table for a head dim, dtype and causality;
     ``deterministic``: its dQ reduce-adds ordered by key block (bitwise reproducible); ``window``: the template's
-    WINDOW (the window itself is the call's); ``varlen``: its VARLEN (a packed batch). Sinks need nothing of the
-    kernel: P comes from the forward's LSE, which counts the sink, and dsinks from the output and LSE."""
+    WINDOW (the window itself is the call's); ``softcap``, ``alibi``: its SOFTCAP and ALIBI (the cap and slopes are
+    the call's); ``varlen``: its VARLEN (a packed batch). Sinks need nothing of the kernel: P comes from the
+    forward's LSE, which counts the sink, and dsinks from the output and LSE."""
 
     tile: bwd_variants.Sm90BwdTile
     head_dim: int
@@ -37,6 +39,9 @@ class Sm90BwdVariant(CuteVariant):
     deterministic: bool = False
     window: bool = False
     varlen: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    sinks: typing.ClassVar[bool] = False  # (no kernel of its own: see above)
     compile_module = cc
 
     @property
@@ -46,7 +51,8 @@ class Sm90BwdVariant(CuteVariant):
     @property
     def source(self) -> Source:
         return Source.of(TEMPLATE, {**self.tile.params(self.head_dim), "deterministic": self.deterministic,
-                                    "window": self.window, "varlen": self.varlen}, self.module)
+                                    "window": self.window, "softcap": self.softcap, "alibi": self.alibi,
+                                    "varlen": self.varlen}, self.module)
 
     factory = FACTORY
 
@@ -55,12 +61,14 @@ class Sm90BwdVariant(CuteVariant):
                 + self.feature_note)
 
 
-def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False, varlen: bool = False):
+def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False, varlen: bool = False,
+                   softcap: bool = False, alibi: bool = False):
     """Fake arguments for cute.compile, in __call__'s order: q, k, v, dout (batch, heads, seqlen, head_dim) with
     symbolic sizes and 16-byte aligned strides, the LSE (log2) and delta (batch, heads, seqlen_q padded), the
     fp32 dQ accumulator (batch, heads, seqlen_q, head_dim), the int32 dQ order counts (batch, heads, query
     blocks; read by the deterministic kernels only), dk, dv, scale_log2, scale, with ``window`` the Int32 window
-    bounds (left, right), with ``varlen`` the int32 offsets cu_seqlens_q and cu_seqlens_k (batch + 1,) and the key
+    bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, with ``alibi`` the fp32 slopes (batch, or
+    the sequences with ``varlen``; heads_q), with ``varlen`` the int32 offsets cu_seqlens_q and cu_seqlens_k (batch + 1,) and the key
     tile table (tiles, 2) (cute_varlen.key_tile_table), and the stream."""
     cutlass = cute.import_cutlass(arch)
     import cutlass.cute as cute_dsl
@@ -85,6 +93,10 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False, v
     dq_order = make_fake_tensor(cutlass.Int32, (batch, heads_q, q_blocks),
                                 (cute_dsl.sym_int64(), cute_dsl.sym_int64(), 1), assumed_align=4)
     bounds = (cutlass.Int32(1), cutlass.Int32(1)) if window else ()
+    bounds += (cutlass.Float32(1.0),) if softcap else ()
+    if alibi:
+        slope_rows = cute_dsl.sym_int32() if varlen else batch
+        bounds += (make_fake_tensor(cutlass.Float32, (slope_rows, heads_q), (cute_dsl.sym_int64(), 1), assumed_align=4),)
     packed = ()
     if varlen:
         packed = (*(make_fake_tensor(cutlass.Int32, (cute_dsl.sym_int32(),), (1,), assumed_align=4) for _ in range(2)),
@@ -98,7 +110,9 @@ def compile_arguments(module, dtype: str, causal: bool, arch: str):
     element, _ = elements(dtype, arch)
     return module.Backward(element, causal), fake_arguments(dtype, module.INPUT_HEAD_DIM, arch,
                                                             window=getattr(module, "WINDOW", False),
-                                                            varlen=getattr(module, "VARLEN", False))
+                                                            varlen=getattr(module, "VARLEN", False),
+                                                            softcap=getattr(module, "SOFTCAP", False),
+                                                            alibi=getattr(module, "ALIBI", False))
 
 
 def row_statistics(out, dout, lse, dlse, tile_m: int, use_triton: bool | None = None):
@@ -196,11 +210,11 @@ def aot_builds(dtype: str, head_dim: int, arch: str = "sm90") -> list:
     return [build("row_statistics", _dims(head_dim)), build("scale_dq", _dims(head_dim))]
 
 
-def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=None, dk=None, dv=None, window=None,
+def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=None, dk=None, dv=None, scores=None,
         packed=None):
     """(dq, dk, dv) by ``variant``'s kernel from the forward's output and natural-log LSE (``dk``, ``dv``: where to
-    write those, TMA-ready like k; default new tensors; ``window``: a WINDOW variant's (left, right), causal folded
-    in, -1 unbounded; ``packed``: a VARLEN variant's dispatch.call.Varlen, the tensors then (1, heads, total, dim)
+    write those, TMA-ready like k; default new tensors; ``scores``: for a variant with score features, the
+    dispatch.call.Call whose window, softcap and ALiBi slopes its kernel takes; ``packed``: a VARLEN variant's dispatch.call.Varlen, the tensors then (1, heads, total, dim)
     views of the packed ones). The fp32 dQ accumulator (4 bytes per element of q) is the workspace this adds to the
     inputs' size.
 
@@ -217,11 +231,11 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     dq_order = torch.zeros((*q.shape[:2], blocks), dtype=torch.int32, device=q.device)
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    bounds = window_arguments(window, q.shape[2], k.shape[2]) if variant.window else ()
+    bounds, scale_log2 = score_arguments(variant, scores, scale) if variant.features else ((), scale * LOG2_E)
     if variant.varlen:
         bounds_q, bounds_k = packed.bounds()
         tiles = key_tables(bounds_q, bounds_k, variant.tile.tile_m, variant.tile.tile_n, variant.causal, q.device)
         bounds = (*bounds, packed.cu_seqlens_q, packed.cu_seqlens_k, tiles)
         lse2, delta = spread_rows(lse2, delta, *packed_rows(bounds_q, variant.tile.tile_m, q.device))
-    variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dq_order, dk, dv, scale * LOG2_E, scale, *bounds)
+    variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dq_order, dk, dv, scale_log2, scale, *bounds)
     return dq_from_accumulator(dq_accum, q, dq_scale), dk, dv

@@ -2,8 +2,8 @@
 causal, query row i sees key j iff j <= i + seqlen_k - seqlen_q; a sliding window (left, right) keeps
 i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; softcap turns a score s into
 softcap * tanh(scale * s / softcap); ALiBi adds -slope * |i + seqlen_k - seqlen_q - j|; a sink logit joins each
-row's softmax denominator. Plain functions of DSL values: the kernels call them while cute.compile traces,
-so each call is the expression itself in the kernel's IR."""
+row's softmax denominator; a backward multiplies dS by the cap's derivative (cap_derivative). Plain functions
+of DSL values: the kernels call them while cute.compile traces, so each call is the expression itself in the kernel's IR."""
 
 
 def key_limit(row, seqlen_q, seqlen_k):
@@ -41,6 +41,19 @@ def capped(score, cap_scale):
     import cutlass.cute as cute
 
     return cute.math.tanh(score * cap_scale, approx=True)
+
+
+def cap_derivative(p, lse_log2, inv_scale_log2, bias):
+    """softcap's chain-rule factor for a backward: d tanh(x) / dx = 1 - tanh(x)^2 for a score whose probability is
+    ``p`` = exp2((tanh(x) + bias) * scale_log2 - lse_log2) (``bias``: ALiBi's, in the same units; ``inv_scale_log2``
+    = 1 / scale_log2), so tanh(x) = (log2(p) + lse_log2) * inv_scale_log2 - bias: recovered from P instead of kept.
+    Where P is 0 (a masked key, a row that saw no key and whose LSE is +inf) the log is -inf or NaN: the max with 0
+    (max.f32 returns its operand that is not NaN) makes the factor 0, as it does where rounding puts |tanh| past 1."""
+    import cutlass
+    import cutlass.cute as cute
+
+    t = (cute.math.log2(p, fastmath=True) + lse_log2) * inv_scale_log2 - bias
+    return cute.arch.fmax(1.0 - t * t, cutlass.Float32(0.0))
 
 
 def with_sink(max_log2, total, sink_log2):

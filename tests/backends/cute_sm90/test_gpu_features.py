@@ -119,21 +119,49 @@ WINDOW_BACKWARD = [
 @pytest.mark.parametrize("case", WINDOW_BACKWARD, ids=str)
 def test_forced_window_backward_matches_fp64(case, head_dim, gen, poisoned_empty):
     b, hq, hkv, nq, nk, causal, window, with_sinks = case
+    check_forced_backward((b, hq, hkv, nq, nk, causal, window, 0.0, with_sinks), head_dim, gen)
+
+
+# CASES' layout: cute_sm90's SOFTCAP and ALIBI backward, alone and with the others
+FEATURE_BACKWARD = [
+    (2, 4, 2, 1023, 1023, True, (-1, -1), 30.0, False),        # Gemma 2's softcap, causal
+    (1, 4, 4, 300, 700, False, (-1, -1), 5.0, False),          # a tight cap (scores often saturate), Nq != Nk
+    (1, 4, 1, 1023, 113, True, (-1, -1), 30.0, False),         # Nq > Nk: rows that see no key (LSE -inf)
+    (2, 4, 2, 113, 1023, False, (-1, -1), 0.0, False, "bh"),   # ALiBi per (batch, head), Nq < Nk
+    (2, 4, 2, 1023, 1023, True, (-1, -1), 0.0, False, "h"),    # ALiBi per head, causal
+    (2, 4, 2, 1023, 1023, True, (255, -1), 30.0, True, "bh"),  # all four
+]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", FEATURE_BACKWARD, ids=str)
+def test_forced_softcap_and_alibi_backward_matches_fp64(case, head_dim, gen, poisoned_empty):
+    check_forced_backward(case, head_dim, gen)
+
+
+def check_forced_backward(case, head_dim, gen):
+    """cute_sm90's forward and backward forced on a CASES-style case (bf16): gradients against fp64 math (dsinks from
+    the call's own output and LSE), gradients NaN-poisoned where the host allocates them (poisoned_empty)."""
+    b, hq, hkv, nq, nk, causal, window, cap, with_sinks = case[:9]
+    slopes = slopes_for(case, gen)
     q, k, v = (torch.randn(b, h, n, head_dim, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
                for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
     sinks = (torch.randn(hq, generator=gen) * 2).cuda().requires_grad_() if with_sinks else None
-    out, lse = attnforge.attention(q, k, v, causal=causal, window_size=window, sinks=sinks, return_lse=True,
-                                   backend="cute_sm90")
+    out, lse = attnforge.attention(q, k, v, causal=causal, window_size=window, softcap=cap, sinks=sinks,
+                                   alibi_slopes=slopes, return_lse=True, backend="cute_sm90")
     decision = attnforge.last_decision()
-    assert decision.backward.backend == "cute_sm90" and decision.backward.variant.window, decision
+    variant = decision.backward.variant
+    assert decision.backward.backend == "cute_sm90", decision
+    assert (variant.window, variant.softcap, variant.alibi) == (window != (-1, -1), bool(cap), slopes is not None)
     dout = torch.randn(out.shape, generator=gen).to("cuda", torch.bfloat16)
     grads = torch.autograd.grad(out, (q, k, v) if sinks is None else (q, k, v, sinks), dout)
     assert not any(g.isnan().any() for g in grads), "an unwritten gradient element (or a wrong one)"
     mask = _causal_mask(causal, window)
-    features = dict(mask=mask, sinks=sinks, dout=dout)
+    features = dict(mask=mask, softcap=cap, sinks=sinks, alibi_slopes=slopes, dout=dout)
     ref, _, ref_grads = oracle(q, k, v, **features)
     peer, peer_grads = peer_error(q, k, v, **features)
     ulps = 4 * math.sqrt(max(nq, nk, head_dim))
+    assert_close("out", out, ref, peer, ulps=ulps)
     assert_grads_close(grads[:3], ref_grads[:3], peer_grads[:3], q, k, v, dout, mask, head_dim ** -0.5, 2 * ulps)
     if sinks is not None:
         share = torch.exp(sinks.detach().double()[None, :, None] - lse.detach().double())
