@@ -243,11 +243,10 @@ def test_a_bad_softcap_is_named(bad):
 
 def test_softcap_is_served_where_declared_and_refused_with_the_reason_elsewhere():
     d = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, softcap=50.0, needs_grad=True)
-    # cute_sm90 has SOFTCAP forward and backward kernels; automatic dispatch takes the backward only where the cost
-    # table measures the pairing, which it does not with a softcap: triton_fa2's runs from the saved LSE, and says so
-    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "triton_fa2")
+    # cute_sm90 has SOFTCAP forward and backward kernels
+    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "cute_sm90")
     assert d.forward.variant.softcap and d.backward.variant.softcap and "+softcap" in d.forward.describe()
-    assert "the cost table does not measure its pairing" in " ".join(d.backward.reasons_of("cute_sm90"))
+    assert "+softcap" in d.backward.describe()
     forced = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, softcap=50.0,
                      alibi=True, needs_grad=True, backend="cute_sm90")
     assert forced.backward.backend == "cute_sm90" and "+softcap+alibi" in forced.backward.describe()
@@ -286,9 +285,9 @@ def test_bad_sinks_are_named(bad, match):
 
 def test_sinks_are_served_where_declared_and_refused_with_the_reason_elsewhere():
     d = explain(device="H100", dtype="bf16", head_dim=64, seqlen_q=4096, causal=True, sinks=True, needs_grad=True)
-    # cute_sm90's forward has a SINKS kernel; the backward is triton_fa2's (from the LSE, which counts the sink)
-    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "triton_fa2")
-    assert d.forward.variant.sinks and d.backward.variant.sinks and "+sinks" in d.forward.describe()
+    # cute_sm90's forward has a SINKS kernel; its backward needs none (P from the LSE, which counts the sink)
+    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "cute_sm90")
+    assert d.forward.variant.sinks and "+sinks" in d.forward.describe()
     assert "attention sinks are not supported" in d.forward.reasons_of("sdpa")
     a100 = explain(device="A100", dtype="bf16", head_dim=64, seqlen_q=4096, causal=True, sinks=True)
     assert a100.forward.backend == "triton_fa2" and a100.forward.variant.sinks
@@ -346,5 +345,6 @@ def test_alibi_is_flash_attentions_bias_written_out(gen):
     with pytest.raises(InvalidInputError, match=r"alibi_slopes must be a float tensor of shape \(heads_q,\) = \(2,\)"):
         attention(q, k, v, alibi_slopes=torch.ones(3))
     d = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, alibi=True, needs_grad=True)
-    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "triton_fa2") and d.forward.variant.alibi
+    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "cute_sm90") and d.forward.variant.alibi
+    assert d.backward.variant.alibi
     assert "ALiBi is not supported" in d.forward.reasons_of("sdpa")

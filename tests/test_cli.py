@@ -20,7 +20,7 @@ def test_explain_h100_fp32_shows_fallback(capsys):
 
 @pytest.mark.parametrize(("device", "arch", "forward", "backward"), [
     ("cpu", "cpu", "sdpa", "sdpa"), ("MI300X", "gfx942", "triton_rocm", "triton_rocm"),
-    ("H100", "sm90", "cute_sm90", "triton_fa2"), ("B200", "sm100", "cute_sm100", "triton_fa2"),
+    ("H100", "sm90", "cute_sm90", "cute_sm90"), ("B200", "sm100", "cute_sm100", "triton_fa2"),
     ("RX7900XTX", "gfx1100", "sdpa", "sdpa")])
 def test_explain_json(capsys, device, arch, forward, backward):
     assert main(["explain", "--device", device, "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "8192",
@@ -203,7 +203,7 @@ def test_explain_takes_varlen(capsys):
                  "--batch", "12", "--varlen", "--needs-grad", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["forward"]["backend"] == "cute_sm90" and "varlen" in d["forward"]["variant"]
-    assert d["backward"]["backend"] == "triton_fa2" and "varlen" in d["backward"]["variant"]
+    assert d["backward"]["backend"] == "cute_sm90" and "varlen" in d["backward"]["variant"]
     assert "varlen" in d["problem"]
 
 

@@ -11,6 +11,7 @@ import attnforge
 from attnforge import InvalidInputError
 from attnforge.api import _causal_mask
 from attnforge.backends.cute_sm90 import bwd_variants
+from attnforge.dispatch import costs as cost_model
 from attnforge.dispatch.select import clear_caches
 from attnforge.testing import assert_close, assert_grads_close, oracle, peer_error
 
@@ -150,9 +151,9 @@ def test_per_head_alibi_slopes_are_every_sequence_s(gen):
                                             ("cpu", "sdpa")])
 def test_a_packed_batch_is_one_decision(device, forward):
     """One Decision for the whole packed batch: the Triton backends' VARLEN kernels where they serve (one launch,
-    forward and backward), on Hopper cute_sm90's packed forward with triton_fa2's VARLEN backward while cute_sm90's
-    packed backward is not served (bwd_variants.PACKED), or where no cost table measures its pairing (the Decision
-    says which; see the next test), sdpa one sequence at a time on the CPU."""
+    forward and backward), on Hopper cute_sm90's packed forward and backward (triton_fa2's VARLEN backward where
+    cute_sm90's is turned off, bwd_variants.PACKED, the Decision saying so; see the next test for the cost table),
+    sdpa one sequence at a time on the CPU."""
     d = attnforge.explain(device=device, dtype="bf16", head_dim=128, seqlen_q=1000, batch=8, causal=True,
                           needs_grad=True, varlen=True)
     assert d.ok and d.problem.varlen and "varlen" in d.problem.describe()
@@ -162,10 +163,11 @@ def test_a_packed_batch_is_one_decision(device, forward):
         assert "+varlen" in d.forward.variant.describe() and d.forward.variant.tile.loads == "pointer"
     if device == "H100":
         assert d.forward.variant.varlen and "packed (varlen)" in d.forward.variant.describe()
-        assert d.backward.backend == "triton_fa2" and d.backward.variant.varlen
-        (why,) = d.backward.reasons_of("cute_sm90")
-        assert why == bwd_variants.PACKED_REASON if not bwd_variants.PACKED else why.startswith(
-            "the cost table does not measure its pairing (cute_sm90+cute_sm90)")
+        if bwd_variants.PACKED:
+            assert d.backward.backend == "cute_sm90" and d.backward.variant.varlen
+        else:
+            assert d.backward.backend == "triton_fa2" and d.backward.variant.varlen
+            assert d.backward.reasons_of("cute_sm90") == (bwd_variants.PACKED_REASON,)
     assert all(c.evidence in ("", "unmeasured") for c in d.forward.candidates)  # cost tables time no packed batch
 
 
@@ -173,8 +175,9 @@ def test_a_packed_batch_is_one_decision(device, forward):
 def test_hopper_takes_the_packed_backward_where_the_table_measures_its_dense_twin(monkeypatch):
     """Once served (bwd_variants.PACKED), cute_sm90's packed backward follows its packed forward where the shipped
     sm90 table measures the pairing for the dense batch of the same sequence count and longest lengths (8 sequences
-    of 8 heads near 4k), not where it does not (one head near 1k), nor with deterministic=True (which it does not
-    serve: triton_fa2's VARLEN does)."""
+    of 8 heads near 4k), and where it measures nothing of that class (one head near 1k: the preference order); not
+    where it measures the class without the pairing (the measured plans decide), nor with deterministic=True (which
+    it does not serve: triton_fa2's VARLEN does)."""
     monkeypatch.setattr(bwd_variants, "PACKED", True)
     clear_caches()
     wide = attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4000, batch=8, heads=8, kv_heads=2,
@@ -183,8 +186,18 @@ def test_hopper_takes_the_packed_backward_where_the_table_measures_its_dense_twi
     assert "packed (varlen)" in wide.backward.variant.describe()
     narrow = attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=1000, batch=8, causal=True,
                                needs_grad=True, varlen=True)
-    assert narrow.backward.backend == "triton_fa2"
-    assert narrow.backward.reasons_of("cute_sm90")[0].startswith("the cost table does not measure its pairing")
+    assert narrow.backward.backend == "cute_sm90" and narrow.backward.variant.varlen
+    table = type(cost_model.table("sm90"))
+    real = table.estimate
+    monkeypatch.setattr(table, "estimate", lambda self, plan, problem, mode: (
+        None if plan == bwd_variants.PLAN else real(self, plan, problem, mode)))
+    clear_caches()
+    unpaired = attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4000, batch=8, heads=8,
+                                 kv_heads=2, causal=True, needs_grad=True, varlen=True)
+    assert unpaired.backward.backend == "triton_fa2"
+    assert unpaired.backward.reasons_of("cute_sm90") == (bwd_variants.NOT_AUTO_BECAUSE,)
+    monkeypatch.setattr(table, "estimate", real)
+    clear_caches()
     fixed = attnforge.explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4000, batch=8, heads=8, kv_heads=2,
                               causal=True, needs_grad=True, varlen=True, deterministic=True)
     assert fixed.backward.backend == "triton_fa2"

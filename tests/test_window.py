@@ -108,9 +108,9 @@ def test_a_bad_window_size_is_named(bad, gen):
         attnforge.attention(q, k, v, window_size=bad)
 
 
-# (device, forward backend, backward backend): cute_sm90 and cute_sm100 have WINDOW forward kernels and no windowed
-# backward
-WINDOW_SERVED = [("H100", "cute_sm90", "triton_fa2"), ("B200", "cute_sm100", "triton_fa2"),
+# (device, forward backend, backward backend): cute_sm90 has WINDOW forward and backward kernels, cute_sm100 forward
+# kernels and no backward
+WINDOW_SERVED = [("H100", "cute_sm90", "cute_sm90"), ("B200", "cute_sm100", "triton_fa2"),
                  ("A100", "triton_fa2", "triton_fa2"), ("MI300X", "triton_rocm", "triton_rocm")]
 
 
@@ -120,13 +120,13 @@ def test_the_kernels_with_a_window_serve_it_and_the_others_say_why_not(device, f
                           needs_grad=True)
     assert (d.forward.backend, d.backward.backend) == (fwd, bwd)
     assert d.forward.variant.window if fwd.startswith("cute") else d.forward.variant.local
-    assert d.backward.variant.local and d.backward.variant.name.endswith(".causal.local")
     assert "+window" in d.forward.describe() and "+window" in d.backward.describe()
-    if fwd == "cute_sm90":  # its WINDOW backward runs when forced, until the cost table measures the pairing
+    assert not d.fallback
+    if bwd == "cute_sm90":
         assert d.forward.variant.name.endswith("_window.bf16.causal")
-        assert "does not measure its pairing" in " ".join(d.backward.reasons_of("cute_sm90"))
+        assert d.backward.variant.window and d.backward.variant.name.endswith("_window.bf16.causal")
     else:
-        assert not d.fallback
+        assert d.backward.variant.local and d.backward.variant.name.endswith(".causal.local")
 
 
 def test_forcing_cute_sm90_runs_its_window_backward_but_not_the_deterministic_one():

@@ -172,14 +172,17 @@ class CuteSm90Backend(Backend):
                                   problem.mask.windowed, problem.varlen, bool(problem.softcap), problem.alibi), []
 
     def passed_over_backward(self, problem: Problem) -> list[str]:
-        """Automatic dispatch takes this backward only where the arch's cost table measures the pairing (see
-        bwd_variants.PLAN); for a packed batch, which tables do not time, where it measures the pairing for the
-        dense batch of the same sequence count and longest lengths (see bwd_variants.PLAN)."""
+        """Automatic dispatch passes this backward over only where the arch's cost table measures the problem's
+        class without its pairing (see bwd_variants.PLAN); a packed batch, which tables do not time, is judged by
+        the dense batch of the same sequence count and longest lengths."""
         table = cost_model.table(problem.device.arch)
-        dense = dataclasses.replace(problem, varlen=False) if problem.varlen else problem
-        if table is not None and table.estimate(bwd_variants.PLAN, dense, "fwd+bwd") is not None:
+        if table is None:
             return []
-        return [bwd_variants.NOT_AUTO_BECAUSE]
+        dense = dataclasses.replace(problem, varlen=False) if problem.varlen else problem
+        if (table.estimate(bwd_variants.PLAN, dense, "fwd+bwd") is None
+                and table.estimate(bwd_variants.FALLBACK_PLAN, dense, "fwd+bwd") is not None):
+            return [bwd_variants.NOT_AUTO_BECAUSE]
+        return []
 
     def passed_over(self, problem: Problem) -> list[str]:
         lo, hi, measured = variants.TRITON_FASTER.get((cc.KIND[problem.dtype], problem.head_dim), (0, 0, ""))

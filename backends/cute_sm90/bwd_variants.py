@@ -15,19 +15,23 @@ from ...dispatch.variant import first_that_fits
 from .variants import REGISTERS_PER_SM, SMEM_BYTES
 
 HEAD_DIMS = (64, 128)
-# Automatic dispatch takes this backward (a forced cute_sm90 always runs it) where the arch's measured cost table
-# (dispatch/costs/<arch>.json) covers the pairing PLAN for the problem, which then competes with the other
-# measured plans; elsewhere it is passed over with this reason, which the Decision quotes. The shipped sm90 table
-# measures it at head dims 64 and 128 with 16k tokens per call (`attnforge tune --costs --head-dim 64,128 --tokens
-# 16384` on the H200, merged in by `--merge`); `attnforge tune --costs` measures it wherever it runs. Tables time no
-# packed (varlen) batch: one is judged by the dense batch of its sequence count and longest lengths, the packed kernel
-# being the dense one with per-sequence offsets and a heaviest-first key-block table (benchmarks/bench_varlen.py
-# times the packed training step against triton_fa2's VARLEN backward: docs/performance.md).
+# Automatic dispatch and this backward (a forced cute_sm90 always runs it). Where the arch's measured cost table
+# (dispatch/costs/<arch>.json) covers the pairing PLAN for the problem, it competes with the other measured plans.
+# Where the table measures the problem's class but not PLAN (it times cute_sm90's forward with triton_fa2's
+# backward, FALLBACK_PLAN, there), it is passed over with NOT_AUTO_BECAUSE, which the Decision quotes, so that the
+# measured plans decide. Where the table measures neither (a class it does not time: more tokens per call than it
+# timed, a window, softcap, ALiBi or sinks), the preference order stands and this backward follows cute_sm90's
+# forward: in every same-run H200 comparison it beat triton_fa2's backward after the same forward (dense d=64/128
+# at N=1k-16k: docs/performance.md; packed 16k tokens d=128: 1.13x causal, 1.33x full; softcap 30: 1.8-2.0x;
+# a 4096-key window on 32k: 1.47x; benchmarks/results/2026-12-03-h200-feature-backward/ and
+# 2026-12-03-h200-varlen-backward/). The shipped sm90 table measures PLAN at head dims 64 and 128 with 16k tokens
+# per call (`attnforge tune --costs --head-dim 64,128 --tokens 16384` on the H200, merged in by `--merge`). Tables
+# time no packed (varlen) batch: one is judged by the dense batch of its sequence count and longest lengths, the
+# packed kernel being the dense one with per-sequence offsets and a heaviest-first key-block table.
 PLAN = "cute_sm90+cute_sm90"
-NOT_AUTO_BECAUSE = ("the cost table does not measure its pairing (cute_sm90+cute_sm90) for this problem; at "
-                    "N >= 4k it measured 0.97-1.16x cuDNN's SDPA forward+backward and 0.88-0.97x FlashAttention-4's "
-                    "(H200, bf16; docs/performance.md, benchmarks/results/2026-12-01-h200-cute_sm90-bwd-order/); "
-                    "backend='cute_sm90' runs it")
+FALLBACK_PLAN = "cute_sm90+triton_fa2"
+NOT_AUTO_BECAUSE = ("the cost table measures this problem's class but not its pairing (cute_sm90+cute_sm90): the "
+                    "measured plans decide; backend='cute_sm90' runs it")
 # The packed (VARLEN) backward kernel compiles for sm_90a with its SASS checked (tests/backends/cute_sm90/
 # test_compile.py). Its LSE and delta rows are padded per sequence (a TMA load's first element in its innermost
 # dimension must be 16-byte aligned; unpadded, it faulted wherever a sequence started at a row that is not a multiple

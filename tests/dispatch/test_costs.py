@@ -270,7 +270,9 @@ def test_softcap_sinks_and_alibi_are_unmeasured(feature):
 @pytest.mark.cost_tables
 def test_cute_sm90s_backward_is_taken_where_the_table_measures_it_faster(table):
     """The cute_sm90 backward competes in automatic dispatch where the table measures its pairing: chosen when
-    that pairing is the fastest measured plan, passed over (with the reason) where the table has no entry."""
+    that pairing is the fastest measured plan; passed over (with the reason) where the table measures the class
+    without it; where the table measures nothing of the class, the preference order stands and it follows
+    cute_sm90's forward."""
     from attnforge.backends.cute_sm90 import bwd_variants
 
     table({"plan": "cute_sm90+cute_sm90", "mode": "fwd+bwd", "tflops": 560.0},
@@ -280,7 +282,13 @@ def test_cute_sm90s_backward_is_taken_where_the_table_measures_it_faster(table):
     assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "cute_sm90"), str(d)
     assert "fastest predicted" in d.forward.note
     elsewhere = explain(needs_grad=True, head_dim=64)  # no entry for this class
-    assert elsewhere.backward.reasons_of("cute_sm90") == (bwd_variants.NOT_AUTO_BECAUSE,)
+    assert (elsewhere.forward.backend, elsewhere.backward.backend) == ("cute_sm90", "cute_sm90"), str(elsewhere)
+    assert "unmeasured" in elsewhere.forward.note
+    table({"plan": "cute_sm90+triton_fa2", "mode": "fwd+bwd", "tflops": 600.0},
+          {"plan": "sdpa+sdpa", "mode": "fwd+bwd", "tflops": 540.0})
+    without = explain(needs_grad=True)  # the class is measured, the pairing is not: the measured plans decide
+    assert (without.forward.backend, without.backward.backend) == ("cute_sm90", "triton_fa2"), str(without)
+    assert without.backward.reasons_of("cute_sm90") == (bwd_variants.NOT_AUTO_BECAUSE,)
     table({"plan": "cute_sm90+cute_sm90", "mode": "fwd+bwd", "tflops": 500.0},
           {"plan": "sdpa+sdpa", "mode": "fwd+bwd", "tflops": 540.0})
     assert explain(needs_grad=True).forward.backend == "sdpa"  # measured slower: the faster pair runs

@@ -19,10 +19,11 @@ def test_hopper_chooses_cute_sm90_and_says_which_backward_follows(device, dtype,
     tile = variants.pick("16bit", head_dim)[0]  # the table's pick, compiled for this dtype and causality
     assert d.forward.variant == Sm90Variant(tile, "16bit", head_dim, dtype, True)
     assert d.forward.describe() == f"fwd {tile.describe()}"
-    assert d.backward.backend == "triton_fa2" and d.backward.variant.family == "bwd"
-    if head_dim in bwd_variants.HEAD_DIMS:  # served, but automatic dispatch passes it over, saying why
-        assert d.backward.reasons_of("cute_sm90") == (bwd_variants.NOT_AUTO_BECAUSE,)
+    if head_dim in bwd_variants.HEAD_DIMS:  # its own backward follows (no table here: the preference order)
+        assert d.backward.backend == "cute_sm90" and d.backward.variant == Sm90BwdVariant(
+            bwd_variants.pick(head_dim)[0], head_dim, dtype, True)
     else:
+        assert d.backward.backend == "triton_fa2" and d.backward.variant.family == "bwd"
         assert d.backward.reasons_of("cute_sm90") == (
             f"head_dim {head_dim} has no cute_sm90 backward (has {', '.join(map(str, bwd_variants.HEAD_DIMS))})",)
 
@@ -104,7 +105,7 @@ def test_every_measured_shape_goes_to_cute_sm90_today():
 
 def test_fp8_backward_runs_in_bf16_on_the_dequantised_inputs_and_the_decision_says_so():
     d = explain(device="H200", dtype="fp8", head_dim=128, seqlen_q=4096, needs_grad=True)
-    assert d.forward.backend == "cute_sm90" and d.backward.backend == "triton_fa2"
+    assert d.forward.backend == "cute_sm90" and d.backward.backend == "cute_sm90"
     assert d.forward.variant.dtype == "fp8" and d.backward.variant.dtype == "bf16"
-    assert d.backward.describe().endswith("(in bf16 on the dequantised fp8 inputs: there is no FP8 backward; bitwise "
-                                          "reproducible)")
+    assert d.backward.describe().endswith("(in bf16 on the dequantised fp8 inputs: there is no FP8 backward; not bitwise "
+                                          "reproducible (deterministic=True: dQ summed in key-block order))")

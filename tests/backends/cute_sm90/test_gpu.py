@@ -268,7 +268,8 @@ def test_fp8_backward_is_the_bf16_backward_of_the_dequantised_inputs(causal, gen
     fp8 = [(t / s).to(torch.float8_e4m3fn).requires_grad_() for t, s in zip(x, per_head)]
     out = attnforge.attention(*fp8, causal=causal, q_descale=descale[0], k_descale=descale[1], v_descale=descale[2])
     decision = attnforge.last_decision()
-    assert decision.forward.backend == "cute_sm90" and decision.backward.backend == "triton_fa2"
+    assert decision.forward.backend == "cute_sm90" and decision.backward.backend == "cute_sm90"
+    assert decision.backward.variant.dtype == "bf16"
     dout = torch.randn(out.shape, generator=gen).to("cuda", torch.bfloat16)
     grads = torch.autograd.grad(out, fp8, dout)
     deq = [f.detach().double() * s for f, s in zip(fp8, per_head)]

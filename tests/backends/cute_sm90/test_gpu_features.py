@@ -2,7 +2,8 @@
 fp64 math, outputs poisoned (NaN) before the call so an element no CTA writes shows: windows on one and both sides,
 with and without causal, Nq != Nk both ways (rows that see no key: 0 out, LSE -inf, or with sinks LSE = the sink),
 GQA, odd lengths; the softcap alone and with a window; sinks alone and with both; ALiBi (per head and per batch and
-head) alone and with all three; the backward (triton_fa2's, from this forward's LSE) on one case per feature."""
+head) alone and with all three; automatic dispatch's training (this forward and cute_sm90's backward, from this
+forward's LSE) on one case per feature; the backward forced, with windows, softcap and ALiBi at d=64 and 128."""
 
 import math
 
@@ -80,7 +81,7 @@ def test_window_and_softcap_forward_match_fp64(case, dtype, head_dim, gen, poiso
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[7], CASES[10], CASES[13]], ids=str)
-def test_training_runs_this_forward_and_triton_fa2s_backward(case, gen, poisoned_empty):
+def test_automatic_training_runs_cute_sm90s_forward_and_backward(case, gen, poisoned_empty):
     b, hq, hkv, nq, nk, causal, window, cap, with_sinks = case[:9]
     slopes = slopes_for(case, gen)
     q, k, v = (torch.randn(b, h, n, 128, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
@@ -89,7 +90,7 @@ def test_training_runs_this_forward_and_triton_fa2s_backward(case, gen, poisoned
     out, lse = attnforge.attention(q, k, v, causal=causal, window_size=window, softcap=cap, sinks=sinks,
                                    alibi_slopes=slopes, return_lse=True)
     decision = attnforge.last_decision()
-    assert (decision.forward.backend, decision.backward.backend) == ("cute_sm90", "triton_fa2"), decision
+    assert (decision.forward.backend, decision.backward.backend) == ("cute_sm90", "cute_sm90"), decision
     dout = torch.randn(out.shape, generator=gen).to("cuda", torch.bfloat16)
     grads = torch.autograd.grad(out, (q, k, v) if sinks is None else (q, k, v, sinks), dout)
     assert not any(g.isnan().any() for g in grads)

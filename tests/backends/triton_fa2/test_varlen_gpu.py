@@ -70,5 +70,7 @@ def test_automatic_dispatch_takes_the_varlen_kernel(gen):
     q, k, v, cu_q, cu_k = packed(gen, 8, 2, 128, torch.bfloat16)
     attnforge.attention_varlen(q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), causal=True)
     d = attnforge.last_decision()
-    # (on sm90 the forward is cute_sm90's packed kernel: tests/backends/cute_sm90/test_gpu_varlen.py)
-    assert d.forward.variant.varlen and d.backward.backend == "triton_fa2" and d.backward.variant.varlen
+    # (on sm90 both are cute_sm90's packed kernels: tests/backends/cute_sm90/test_gpu_varlen.py)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert d.forward.variant.varlen and d.backward.variant.varlen
+    assert d.backward.backend == ("cute_sm90" if hopper else "triton_fa2"), d
