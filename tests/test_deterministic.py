@@ -111,3 +111,15 @@ def test_deterministic_must_be_a_bool(value, gen):
     q = torch.randn(1, 1, 4, 8, generator=gen)
     with pytest.raises(InvalidInputError, match="deterministic must be a bool"):
         attnforge.attention(q, q, q, deterministic=value)
+
+
+@pytest.mark.parametrize("feature", [dict(softcap=30.0), dict(alibi=True)])
+def test_deterministic_training_with_softcap_or_alibi_takes_triton_fa2s_backward(feature):
+    """cute_sm90's deterministic backward has no softcap or ALiBi (the default one has): deterministic=True takes
+    triton_fa2's (bitwise reproducible) and the Decision says why."""
+    shape = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=2048, heads=8, needs_grad=True, causal=True)
+    assert explain(**shape, **feature).backward.backend == "cute_sm90"
+    fixed = explain(**shape, **feature, deterministic=True)
+    assert fixed.backward.backend == "triton_fa2" and fixed.backward.note == "bitwise reproducible"
+    assert fixed.backward.reasons_of("cute_sm90") == (
+        "its deterministic backward has no softcap or ALiBi (the default one has)",)

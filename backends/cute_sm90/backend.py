@@ -160,6 +160,8 @@ class CuteSm90Backend(Backend):
             reasons.append(f"the backward takes fp16 or bf16, not {problem.dtype}")
         if problem.mask.windowed and problem.deterministic:
             reasons.append("its deterministic backward has no sliding window (the default one has)")
+        if (problem.softcap or problem.alibi) and problem.deterministic:  # (compiled together, not yet run on a GPU)
+            reasons.append("its deterministic backward has no softcap or ALiBi (the default one has)")
         if problem.varlen and not bwd_variants.PACKED:
             reasons.append(bwd_variants.PACKED_REASON)
         elif problem.varlen and problem.deterministic:
