@@ -61,18 +61,38 @@ def time_ms(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> tuple[
     return statistics.median(samples), deciles[0], deciles[-1]
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` runners, one per round, as a Williams design (a balanced Latin square, the crossover trials'
+    tool): over ``n`` rounds each runner takes every position once (so the first round's setup or a drifting clock
+    favours none), and over the whole list (``n`` rounds for even ``n``, ``2n`` for odd) each runner follows every
+    other equally often (once for even ``n``, twice for odd: so none always follows the same one)."""
+    base, low, high = [0], 1, n - 1
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    orders = [[(i + r) % n for i in base] for r in range(n)]
+    return orders + [order[::-1] for order in orders] if n % 2 else orders
+
+
 def interleaved_ms(runners: dict, rounds: int, warmup_ms: float = 25, rep_ms: float = 200) -> dict[str, list[float]]:
-    """CUDA runners timed in rounds, each once per round (time_ms's median), the order rotated every round so that
-    a drifting clock (the H200 at its power cap) favours none of them, and reversed every other round so that none
-    always follows the same runner: {name: [ms, one per round]}. (With rotation alone, benchmarks/dispatch_check.py on
-    the H200 timed attnforge's sdpa backend always right after triton_fa2, its slowest and least power-hungry
-    kernel, and measured it up to 8% above the same SDPA call made by stock torch later in the same rounds.)"""
+    """CUDA runners timed in rounds, each once per round (time_ms's median), in balanced_orders: {name: [ms, one per
+    round]}. An untimed pass over every runner comes first, so that the first runner timed follows the same kind of
+    work as the others. (Rotating the order alone, benchmarks/dispatch_check.py on the H200 timed attnforge's sdpa
+    backend always right after triton_fa2, its slowest and least power-hungry kernel, and measured it up to 8% above
+    the same SDPA call made by stock torch later in the same rounds; rotated and every other round reversed, the
+    first runner opened two rounds of three, and attnforge's automatic choice measured 3-6% below the same kernel
+    forced in some rows: benchmarks/results/2026-12-03-h200-retune/.)"""
     names, cuda = list(runners), torch.device("cuda")
+    for name in names:
+        time_ms(runners[name], cuda, warmup_ms, warmup_ms)
     times = {name: [] for name in names}
+    orders = balanced_orders(len(names))
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in (order[::-1] if r % 2 else order):
-            times[name].append(time_ms(runners[name], cuda, warmup_ms, rep_ms)[0])
+        for i in orders[r % len(orders)]:
+            times[names[i]].append(time_ms(runners[names[i]], cuda, warmup_ms, rep_ms)[0])
     return times
 
 

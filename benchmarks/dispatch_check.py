@@ -47,7 +47,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--set", default="all", choices=tuple(SETS), help="the model shapes, the standard grid "
                         "(d 64/128/256 x N 1k/4k/16k x full/causal, 16k tokens, heads 2048/d), or both (default)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per row (default 3)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved timing rounds per row (default 5: with five plans, each opens one round)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     environment = measure.environment(torch.device("cuda"))
@@ -67,8 +68,8 @@ def main() -> None:
                 impls["torch SDPA"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                                       enable_gqa=hq != hkv)
             flop = costs.flops(decision.problem, mode)
-            # interleaved rounds (rotated, every other round reversed), medians: timed one after another once each,
-            # the same plan measured up to 12% apart (the H200's clock drifts at its power cap). Each timing keeps
+            # interleaved rounds (measure.balanced_orders, after an untimed pass), medians: timed one after another
+            # once each, the same plan measured up to 12% apart (the H200's clock drifts at its power cap). Each keeps
             # the 25 ms warm-up: with 10 ms (and 50 ms of repetitions) the sdpa backend, then always timed right after
             # triton_fa2, measured up to 9% above the same SDPA call by stock torch (dispatch_check-2.json in
             # benchmarks/results/2026-12-02-h200-dispatch/; 25 ms and one 150 ms block: within 3%)

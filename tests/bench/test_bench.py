@@ -63,20 +63,36 @@ def test_bad_bench_arguments(capsys):
     assert "unknown implementation(s) flash9" in capsys.readouterr().err
 
 
-def test_interleaved_rounds_time_every_runner_once_per_round_in_rotated_order(monkeypatch):
-    """benchmarks/ab_*.py's rounds: each runner once a round, the first one moving along, so that a clock drifting
-    through the run favours none, and every other round reversed, so that no runner always follows the same one;
-    each figure is time_ms's median (its first value)."""
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
+def test_balanced_orders_put_each_runner_in_every_position_and_after_every_other(n):
+    """A Williams design: over n rounds every runner opens once and takes every position once; over all of its rounds
+    each runner follows every other equally often (once for even n, twice for odd)."""
+    from attnforge.bench import measure
+
+    orders = measure.balanced_orders(n)
+    assert len(orders) == (2 * n if n % 2 else n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    for position in range(n):
+        assert sorted(order[position] for order in orders[:n]) == list(range(n))
+    pairs = [(order[i - 1], order[i]) for order in orders for i in range(1, n)]
+    times = 2 if n % 2 else 1
+    assert sorted(pairs) == sorted((a, b) for a in range(n) for b in range(n) if a != b for _ in range(times))
+
+
+def test_interleaved_rounds_time_every_runner_once_per_round_after_an_untimed_pass(monkeypatch):
+    """benchmarks/ab_*.py's, dispatch_check's and the tune's rounds: one untimed pass over every runner, then each
+    runner once a round in balanced_orders; each figure is time_ms's median (its first value)."""
     from attnforge.bench import measure
 
     order = []
     monkeypatch.setattr(measure, "time_ms", lambda fn, device, warmup, rep: (fn(), 0.0, 0.0))
     runners = {name: (lambda name=name: order.append(name) or float(len(order))) for name in "abc"}
     times = measure.interleaved_ms(runners, rounds=4)
-    assert order == list("abc" "acb" "cab" "cba")
-    assert times == {"a": [1.0, 4.0, 8.0, 12.0], "b": [2.0, 6.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 10.0]}
-    before = {name: {order[i - 1] for i in range(1, len(order)) if order[i] == name and i % 3} for name in "abc"}
-    assert all(len(previous) == 2 for previous in before.values())  # each follows both of the others
+    rounds = ["".join("abc"[i] for i in o) for o in measure.balanced_orders(3)[:4]]
+    assert order == list("abc" + "".join(rounds))
+    assert [r[0] for r in rounds[:3]] == list("abc")  # each opens one of the first three rounds
+    assert times == {name: [float(i + 1) for i, timed in enumerate(order) if timed == name and i >= 3]
+                     for name in "abc"}
 
 
 def test_cpu_deciles_lie_within_the_samples(monkeypatch):
