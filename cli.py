@@ -341,7 +341,6 @@ def _build_cute(items: list, out, keep_asm: bool, jobs: int):
 
 def _build(args) -> int:
     import pathlib
-    import time
 
     from .runtime import cute, triton_aot
     from .runtime.cache import default_cache_dir
@@ -422,6 +421,8 @@ def _tune_costs(args) -> int:
     except ValueError as exc:
         print(f"attnforge tune: {exc}", file=sys.stderr)
         return 2
+    if args.models_only:
+        grid = list(bench_costs.MODEL_SHAPES)
     entries = bench_costs.measure_grid(grid, progress=lambda m: print(m, file=sys.stderr))
     doc = bench_costs.table_document(entries, "attnforge tune --costs " + " ".join(sys.argv[3:]).strip())
     costs.parse(doc, "the measured table")  # what is written is what the dispatcher can read
@@ -504,6 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="with --costs: the table's path (default costs-<arch>.json)")
     p.add_argument("--tokens", type=_csv(int), default=None, help="with --costs: only these tokens-per-call budgets of "
                                                                    "the grid (16384, 2048; default both)")
+    p.add_argument("--models-only", action="store_true", help="with --costs: only the model shapes "
+                                                               "(bench/costs.py MODEL_SHAPES), not the grid")
     p.add_argument("--merge", nargs="+", metavar="TABLE", help="with --costs: merge tables measured in parts (no GPU "
                                                                 "needed; the first table's entry wins a repeat)")
     p.set_defaults(run=_tune)

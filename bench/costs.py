@@ -45,10 +45,23 @@ class Shape:
 TOKENS = ((16384, (512, 1024, 4096, 8192, 16384)), (2048, (512, 1024, 2048, 4096)))
 
 
+# Measured whatever the head dims asked for, at head dim 128: model shapes the grid's classes do not reach.
+MODEL_SHAPES = (
+    Shape(8, 16, 4, 512, 8192, 128, False),  # cross-attention / chunked prefill against a long context
+    # Llama-style GQA 32/8 prefill: cute_sm90's backward runs one CTA per (key block, KV head), so its grid follows
+    # batch x KV heads, which the 16/4 class at 8k halves. There the balanced tune measured its pair 498 against
+    # sdpa's 507 TFLOP/s, while at 32/8 it ran 512-529 against 503-505 (H200, two same-run checks,
+    # benchmarks/results/2026-12-03-h200-retune/).
+    Shape(2, 32, 8, 8192, 8192, 128, True),
+    Shape(64, 32, 8, 1, 8192, 128, False, ("fwd",)),  # decode against 8k cached keys
+    Shape(1, 16, 4, 65536, 65536, 128, True),
+)
+
+
 def default_grid(head_dims=(64, 80, 96, 128, 192, 256), tokens: tuple[int, ...] | None = None) -> list[Shape]:
     """16k and 2k tokens per call (``tokens``: some of those) at 2048 / head_dim query heads (FlashAttention's
-    benchmark shape), at 512..16k tokens per sequence, MHA and GQA 4:1, full and causal; plus cross-attention
-    (Nq << Nk), decode (Nq = 1, forward only) and one long sequence, at head dim 128."""
+    benchmark shape), at 512..16k tokens per sequence, MHA and GQA 4:1, full and causal; plus MODEL_SHAPES
+    (cross-attention, Llama-style GQA prefill, decode and one long sequence, at head dim 128)."""
     budgets = [(t, seqlens) for t, seqlens in TOKENS if tokens is None or t in tokens]
     if tokens is not None and len(budgets) != len(set(tokens)):
         raise ValueError(f"tokens per call must be among {', '.join(str(t) for t, _ in TOKENS)}, got {tokens}")
@@ -57,10 +70,7 @@ def default_grid(head_dims=(64, 80, 96, 128, 192, 256), tokens: tuple[int, ...] 
         heads = max(group, 2048 // d // group * group)
         for seqlen in seqlens:
             grid.append(Shape(max(1, tokens // seqlen), heads, heads // group, seqlen, seqlen, d, causal))
-    grid += [Shape(8, 16, 4, 512, 8192, 128, False),  # cross-attention / chunked prefill against a long context
-             Shape(64, 32, 8, 1, 8192, 128, False, ("fwd",)),  # decode against 8k cached keys
-             Shape(1, 16, 4, 65536, 65536, 128, True)]
-    return grid
+    return grid + list(MODEL_SHAPES)
 
 
 def _inputs(shape: Shape, dtype, gen, device):
@@ -73,8 +83,8 @@ def _inputs(shape: Shape, dtype, gen, device):
 def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 25, rep_ms: float = 60,
                  progress=print, device: str = "cuda", rounds: int = 2) -> list[dict]:
     """One entry per (shape, mode, plan) that ran: its TFLOP/s (dispatch.costs.flops over the median). The plans of
-    a (shape, mode) are timed in ``rounds`` interleaved rounds (measure.interleaved_ms: rotated, every other round
-    reversed; ``rep_ms`` split among them, each after ``warmup_ms``: short warm-ups let the clock state the previous
+    a (shape, mode) are timed in ``rounds`` interleaved rounds (measure.interleaved_ms: an untimed pass, then
+    measure.balanced_orders; ``rep_ms`` split among them, each after ``warmup_ms``: short warm-ups let the clock state the previous
     plan left bias the next, benchmarks/dispatch_check.py), the median of the rounds kept; on the CPU one after
     another."""
     names = [n for n in priority(detect(torch.device(device))) if n not in UNTIMED]
@@ -134,8 +144,8 @@ def table_document(entries: list[dict], command: str, device: str = "cuda") -> d
     return {"schema": costs.SCHEMA, "arch": spec.arch, "device": spec.name,
             "measured": datetime.date.today().isoformat(), "command": command, "commit": commit,
             "versions": versions, "flop_formula": costs.flop_count.__doc__.strip(),
-            "timing": measure.TIMING + "; a (shape, mode)'s plans in interleaved rounds (rotated, every other round "
-                      "reversed), the median of the rounds", "entries": entries}
+            "timing": measure.TIMING + "; a (shape, mode)'s plans in interleaved rounds after an untimed pass "
+                      "(a balanced Latin square of orders), the median of the rounds", "entries": entries}
 
 
 _ENTRY_KEY = ("plan", "mode", "dtype", "head_dim", "head_dim_v", "causal", "batch", "heads_q", "heads_kv", "seqlen_q",

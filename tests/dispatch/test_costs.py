@@ -227,11 +227,13 @@ def test_tables_measured_in_parts_merge_with_the_first_entry_winning(tmp_path, c
 def test_the_grid_takes_a_tokens_budget():
     from attnforge.bench import costs as bench_costs
 
+    models = len(bench_costs.MODEL_SHAPES)
     small = bench_costs.default_grid(head_dims=(128,), tokens=(2048,))
-    assert all(s.batch == max(1, 2048 // s.seqlen_q) for s in small[:-3])
+    assert all(s.batch == max(1, 2048 // s.seqlen_q) for s in small[:-models])
     large = bench_costs.default_grid(head_dims=(128,), tokens=(16384,))
-    assert all(s.batch == max(1, 16384 // s.seqlen_q) for s in large[:-3])
-    assert len(bench_costs.default_grid(head_dims=(128,))) == len(small) + len(large) - 3
+    assert all(s.batch == max(1, 16384 // s.seqlen_q) for s in large[:-models])
+    assert small[-models:] == large[-models:] == list(bench_costs.MODEL_SHAPES)
+    assert len(bench_costs.default_grid(head_dims=(128,))) == len(small) + len(large) - models
     with pytest.raises(ValueError, match="tokens per call must be among 16384, 2048"):
         bench_costs.default_grid(tokens=(4096,))
 
@@ -292,3 +294,26 @@ def test_cute_sm90s_backward_is_taken_where_the_table_measures_it_faster(table):
     table({"plan": "cute_sm90+cute_sm90", "mode": "fwd+bwd", "tflops": 500.0},
           {"plan": "sdpa+sdpa", "mode": "fwd+bwd", "tflops": 540.0})
     assert explain(needs_grad=True).forward.backend == "sdpa"  # measured slower: the faster pair runs
+
+
+def test_tune_models_only_measures_the_model_shapes(monkeypatch):
+    """`attnforge tune --costs --models-only`: the model shapes alone (a part to merge ahead of a table)."""
+    from attnforge import cli
+    from attnforge.bench import costs as bench_costs
+
+    def tune(*argv):  # past the GPU check
+        return cli._tune_costs(cli.build_parser().parse_args(["tune", "--costs", *argv]))
+
+    class Measured(Exception):
+        pass
+
+    def measure_grid(grid, **kwargs):
+        raise Measured(grid)
+
+    monkeypatch.setattr(bench_costs, "measure_grid", measure_grid)
+    with pytest.raises(Measured) as measured:
+        tune("--models-only")
+    assert measured.value.args[0] == list(bench_costs.MODEL_SHAPES)
+    with pytest.raises(Measured) as measured:
+        tune("--head-dim", "64")
+    assert len(measured.value.args[0]) > len(bench_costs.MODEL_SHAPES)
