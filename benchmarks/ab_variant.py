@@ -10,7 +10,8 @@ when causal; 16k tokens per batch, heads = 2048/d; FP8 with unit descales.
         [--seqlen 4096,16384] [--heads H] [--batch B] [--causal both] [--rounds 5] [--json out.json]
 
 ``--flags`` takes sets of fields as sweep_cute_sm90.py --variants does: 'persistent+tail_split=0,kv_stages=3'
-is two variants (0 switches a flag off).
+is two variants (0 switches a flag off). ``--softcap 30`` compiles every kernel with SOFTCAP (16-bit only), e.g.
+``--flags exp2_fma_every=2,exp2_fma_every=4 --kind 16bit --softcap 30``; its fp32 reference caps the scores too.
 
 The modules render into the attnforge cache; the kernels compile in parallel worker processes first (one
 per variant and mask), each exported to a temporary object file that this process loads.
@@ -42,6 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from sweep_cute_sm90 import variants_of  # noqa: E402
 
 DTYPE = {"fp8": "fp8", "16bit": "bf16"}
+PLAIN = "_plain"  # with --softcap: the pick's module name + this, compiled without SOFTCAP
 
 
 def _compile(build: cute.CuteBuild, obj: str) -> str:
@@ -64,6 +66,16 @@ def inputs(kind: str, b: int, h: int, n: int, d: int):
     return q, k, v
 
 
+def reference(q, k, v, causal: bool, softcap: float) -> torch.Tensor:
+    """fp32 attention, with the scores capped as softcap * tanh(s / softcap) after scaling where softcap > 0."""
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if causal:  # square here: top-left and bottom-right agree
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--flags", required=True, help="variants of each pick, as sweep_cute_sm90.py --variants "
@@ -75,9 +87,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, help="batch (default 16384 / seqlen tokens per batch)")
     p.add_argument("--causal", default="both", choices=("both", "full", "causal"))
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--softcap", type=float, default=0.0, help="compile and run every kernel with this softcap")
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--json")
     args = p.parse_args()
+    if args.softcap > 0 and "fp8" in args.kind.split(","):
+        p.error("--softcap runs the 16-bit kernels only (--kind 16bit)")
     causals = {"both": (False, True), "full": (False,), "causal": (True,)}[args.causal]
     folder = pathlib.Path(tempfile.mkdtemp(prefix="cute_sm90_ab_"))
     ctas = max_ctas(torch.device("cuda"))
@@ -97,9 +112,10 @@ def main() -> None:
             groups.append((kind, d, tiles))
     jobs, paths = [], {}
     for kind, d, tiles in groups:
-        for tile in tiles:
-            name = tile.module(d, kind)
-            source = Source.of(cc.TEMPLATE, tile.params(d, kind), name)
+        # with --softcap, the pick without SOFTCAP too (PLAIN): the softcap kernels' cost against the plain kernel
+        for tile, softcap in [(t, args.softcap > 0) for t in tiles] + ([(tiles[0], False)] if args.softcap > 0 else []):
+            name = tile.module(d, kind) + ("" if softcap or not args.softcap else PLAIN)
+            source = Source.of(cc.TEMPLATE, tile.params(d, kind, softcap=softcap), name)
             for causal in causals:
                 paths[name, causal] = str(folder / f"{name}_{int(causal)}.o")
                 jobs.append((cc.cute_build(source, DTYPE[kind], causal), paths[name, causal]))  # renders the module
@@ -114,6 +130,9 @@ def main() -> None:
             extra = {"descale": torch.ones(3, b, h, device="cuda")} if kind == "fp8" else {}
             v_in = prepare_v_fp8(v) if kind == "fp8" else v
             scale_log2 = d ** -0.5 * math.log2(math.e)
+            scores = ()
+            if args.softcap > 0:  # the kernel's SOFTCAP arguments (cute_host.score_arguments)
+                scores, scale_log2 = (d ** -0.5 / args.softcap,), args.softcap * math.log2(math.e)
             for causal in causals:
                 outs = {}
                 runners = {}
@@ -122,33 +141,48 @@ def main() -> None:
                     out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
                     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
                     run = (lambda kernel=kernels[name, causal], tile=tile, out=out, lse=lse:
-                           run_kernel(kernel, tile, q, k, v_in, out, lse, scale_log2, causal=causal, ctas=ctas, **extra))
+                           run_kernel(kernel, tile, q, k, v_in, out, lse, scale_log2, causal=causal, ctas=ctas,
+                                      scores=scores, **extra))
                     run()
                     outs[name] = (out.clone(), lse.clone())
                     runners[name] = run
                 base = tiles[0].module(d, kind)
-                ref = torch.nn.functional.scaled_dot_product_attention(
-                    q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), is_causal=causal)
-                rel = ((outs[base][0][:1, :2].float() - ref).norm() / ref.norm()).item()  # NaN stays NaN
-                names = list(runners)
+                plain = base + PLAIN
+                if args.softcap > 0:
+                    out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+                    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+                    runners[plain] = (lambda kernel=kernels[plain, causal], tile=tiles[0], out=out, lse=lse:
+                                      run_kernel(kernel, tile, q, k, v_in, out, lse, d ** -0.5 * math.log2(math.e),
+                                                 causal=causal, ctas=ctas, **extra))
+                ref = reference(q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), causal, args.softcap)
+
+                def rel_err(o):  # NaN stays NaN
+                    return ((o[:1, :2].float() - ref).norm() / ref.norm()).item()
+                rel = rel_err(outs[base][0])
                 times = interleaved_ms(runners, args.rounds)
                 work = flops(b, h, n, n, d, d, causal, "fwd")
-                for tile, name in zip(tiles, names):
+                for tile in tiles:
+                    name = tile.module(d, kind)
                     tf = [work / ms / 1e9 for ms in times[name]]
                     ratios = [t0 / t for t, t0 in zip(times[name], times[base])]
+                    to_plain = [t0 / t for t, t0 in zip(times[name], times[plain])] if plain in times else None
                     o, lse = outs[name]
                     row = dict(kind=kind, head_dim=d, seqlen=n, batch=b, heads=h, causal=causal, tile=tile.describe(),
-                               module=name, tflops_per_round=tf, tflops_median=statistics.median(tf),
-                               speed_ratio_to_pick_per_round=ratios, pick_rel_err_vs_fp32=rel,
-                               nan_out=bool(o.isnan().any()), nan_lse=bool(lse.isnan().any()),
+                               module=name, softcap=args.softcap, tflops_per_round=tf,
+                               tflops_median=statistics.median(tf), speed_ratio_to_pick_per_round=ratios,
+                               speed_ratio_to_plain_per_round=to_plain, pick_rel_err_vs_fp32=rel,
+                               rel_err_vs_fp32=rel_err(o), nan_out=bool(o.isnan().any()),
+                               nan_lse=bool(lse.isnan().any()),
                                max_abs_diff_to_pick=(o.float() - outs[base][0].float()).abs().max().item(),
                                max_lse_diff_to_pick=(lse - outs[base][1]).abs().max().item())
                     rows.append(row)
+                    nan = " NaN!" if row["nan_out"] or row["nan_lse"] else ""
                     print(f"{kind} d={d} N={n} {'causal' if causal else 'full  '} {tile.describe():75s} "
-                          f"{row['tflops_median']:6.0f} TFLOP/s (min {min(tf):.0f}, max {max(tf):.0f})  vs pick: median "
-                          f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})  "
-                          f"diff {row['max_abs_diff_to_pick']:.1e} lse {row['max_lse_diff_to_pick']:.1e}"
-                          f"{' NaN!' if row['nan_out'] or row['nan_lse'] else ''}  (pick rel err {rel:.1e})", flush=True)
+                          f"{row['tflops_median']:6.0f} TFLOP/s (min {min(tf):.0f}, max {max(tf):.0f})  vs pick: "
+                          f"median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
+                          + (f"  vs plain (no softcap) {statistics.median(to_plain):.3f}" if to_plain else "")
+                          + f"  diff {row['max_abs_diff_to_pick']:.1e} lse {row['max_lse_diff_to_pick']:.1e}{nan}"
+                          f"  (rel err {row['rel_err_vs_fp32']:.1e}, pick {rel:.1e})", flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                                        "torch": torch.__version__, "rows": rows}, indent=1))

@@ -63,6 +63,9 @@ class Sm90FwdTile:
     # template), instead of each thread storing its accumulator fragment to global memory
     tma_store: bool = False
     cluster: tuple[int, int] = (1, 1)
+    # one in exp2_fma_every of a thread's softmax columns takes exp2 on the FMA pipe instead of MUFU (EXP2_FMA_EVERY
+    # in the template; 0: none)
+    exp2_fma_every: int = 0
     # Register spill (stack bytes, ptxas) accepted because the tile measured faster all the same; the
     # compile tests fail on any spill above it.
     accepted_spill_bytes: int = 0
@@ -71,7 +74,7 @@ class Sm90FwdTile:
         return (f"fwd_{kind}_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.kv_stages}"
                 f"_wg{self.consumer_warpgroups}{'_pp' if self.pingpong else ''}{'_ps' if self.persistent else ''}"
                 f"{'_pc' if self.persistent_causal else ''}{'_rs' if self.row_sum_mma else ''}{'_ts' if self.tail_split else ''}"
-                f"{'_to' if self.tma_store else ''}")
+                f"{'_to' if self.tma_store else ''}{f'_e{self.exp2_fma_every}' if self.exp2_fma_every else ''}")
 
     def params(self, head_dim: int, kind: str = "16bit", window: bool = False, softcap: bool = False,
                sinks: bool = False, alibi: bool = False, varlen: bool = False) -> dict:
@@ -110,7 +113,8 @@ class Sm90FwdTile:
         return (f"{self.tile_m}x{self.tile_n} s{self.kv_stages} {self.consumer_warpgroups} consumer warpgroups"
                 f"{' pingpong' if self.pingpong else ''}{' persistent' if self.persistent else ''}"
                 f"{' causal too' if self.persistent_causal else ''}{' row sums by MMA' if self.row_sum_mma else ''}{' tail split' if self.tail_split else ''}"
-                f"{' TMA store' if self.tma_store else ''}")
+                f"{' TMA store' if self.tma_store else ''}"
+                f"{f' exp2 on FMA 1/{self.exp2_fma_every}' if self.exp2_fma_every else ''}")
 
 
 def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
@@ -144,6 +148,8 @@ def check(tile: Sm90FwdTile, head_dim: int, kind: str = "16bit") -> list[str]:
         reasons.append(f"{name}: tail_split is for one CTA per tile (a persistent kernel balances its own tiles)")
     if tile.cluster != (1, 1):
         reasons.append(f"{name}: thread-block clusters are not implemented (cluster {tile.cluster})")
+    if tile.exp2_fma_every < 0:
+        reasons.append(f"{name}: exp2_fma_every must be 0 (none) or n > 0 (one in n columns), got {tile.exp2_fma_every}")
     if tile.smem_bytes(head_dim, kind) > SMEM_BYTES:
         reasons.append(f"{name} at head_dim {head_dim} needs {tile.smem_bytes(head_dim, kind) // 1024} KiB of shared "
                        f"memory, sm90 has {SMEM_BYTES // 1024} KiB")
