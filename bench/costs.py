@@ -84,9 +84,9 @@ def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 25, 
                  progress=print, device: str = "cuda", rounds: int = 2) -> list[dict]:
     """One entry per (shape, mode, plan) that ran: its TFLOP/s (dispatch.costs.flops over the median). The plans of
     a (shape, mode) are timed in ``rounds`` interleaved rounds (measure.interleaved_ms: an untimed pass, then
-    measure.balanced_orders; ``rep_ms`` split among them, each after ``warmup_ms``: short warm-ups let the clock state the previous
-    plan left bias the next, benchmarks/dispatch_check.py), the median of the rounds kept; on the CPU one after
-    another."""
+    measure.balanced_orders; ``rep_ms`` split among them, each after ``warmup_ms``: short warm-ups let the clock
+    state the previous plan left bias the next, benchmarks/dispatch_check.py), the median of the rounds kept; on the
+    CPU one after another."""
     names = [n for n in priority(detect(torch.device(device))) if n not in UNTIMED]
     gen = torch.Generator(device=device).manual_seed(0)
     entries = []

@@ -83,8 +83,8 @@ def interleaved_ms(runners: dict, rounds: int, warmup_ms: float = 25, rep_ms: fl
     work as the others. (Rotating the order alone, benchmarks/dispatch_check.py on the H200 timed attnforge's sdpa
     backend always right after triton_fa2, its slowest and least power-hungry kernel, and measured it up to 8% above
     the same SDPA call made by stock torch later in the same rounds; rotated and every other round reversed, the
-    first runner opened two rounds of three, and attnforge's automatic choice measured 3-6% below the same kernel
-    forced in some rows: benchmarks/results/2026-12-03-h200-retune/.)"""
+    first runner opened two rounds of three, and attnforge's automatic choice measured 5-6% below the same kernel
+    forced in two rows: benchmarks/results/2026-12-03-h200-retune/.)"""
     names, cuda = list(runners), torch.device("cuda")
     for name in names:
         time_ms(runners[name], cuda, warmup_ms, warmup_ms)
