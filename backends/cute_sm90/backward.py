@@ -14,7 +14,7 @@ from ...codegen import Source
 from ...dispatch.problem import dtype_name
 from ...runtime import cute
 from ...runtime.triton_launch import launch
-from ..shared.cute_host import LOG2_E, CuteVariant, elements, score_arguments, tma_ready
+from ..shared.cute_host import LOG2_E, CuteVariant, elements, fake_packed, fake_scores, score_arguments, tma_ready
 from ..shared.cute_varlen import key_tables, packed_rows
 from ..shared.inputs import nonnegative_scale
 from . import compile as cc
@@ -92,15 +92,8 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False, v
     dq_accum = tensor(cutlass.Float32, batch, heads_q, seqlen_q, head_dim)
     dq_order = make_fake_tensor(cutlass.Int32, (batch, heads_q, q_blocks),
                                 (cute_dsl.sym_int64(), cute_dsl.sym_int64(), 1), assumed_align=4)
-    bounds = (cutlass.Int32(1), cutlass.Int32(1)) if window else ()
-    bounds += (cutlass.Float32(1.0),) if softcap else ()
-    if alibi:
-        slope_rows = cute_dsl.sym_int32() if varlen else batch
-        bounds += (make_fake_tensor(cutlass.Float32, (slope_rows, heads_q), (cute_dsl.sym_int64(), 1), assumed_align=4),)
-    packed = ()
-    if varlen:
-        packed = (*(make_fake_tensor(cutlass.Int32, (cute_dsl.sym_int32(),), (1,), assumed_align=4) for _ in range(2)),
-                  make_fake_tensor(cutlass.Int32, (cute_dsl.sym_int32(), 2), (2, 1), assumed_align=8))
+    bounds = fake_scores(batch, heads_q, window=window, softcap=softcap, alibi=alibi, varlen=varlen)
+    packed = fake_packed() if varlen else ()
     return (q, k, v, dout, rows(), rows(), dq_accum, dq_order, dk, dv, cutlass.Float32(1.0), cutlass.Float32(1.0),
             *bounds, *packed, make_fake_stream(use_tvm_ffi_env_stream=True))
 

@@ -189,16 +189,8 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
                                   assumed_align=16),
                  make_fake_tensor(cutlass.Float32, (pieces, rows), (cute.sym_int64(), 1), assumed_align=4),
                  cutlass.Int32(1), cutlass.Int32(1))
-    packed = ()
-    if varlen:
-        packed = (*(make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4) for _ in range(2)),
-                  make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8))
-    scores = ((cutlass.Int32(1), cutlass.Int32(1)) if window else ()) + ((cutlass.Float32(1.0),) if softcap else ())
-    if sinks:
-        scores += (make_fake_tensor(cutlass.Float32, (heads_q,), (1,), assumed_align=4),)
-    if alibi:  # (a row per sequence: with varlen q's batch is 1 and the sequences are the offsets')
-        rows = cute.sym_int32() if varlen else batch
-        scores += (make_fake_tensor(cutlass.Float32, (rows, heads_q), (cute.sym_int64(), 1), assumed_align=4),)
+    packed = fake_packed() if varlen else ()
+    scores = fake_scores(batch, heads_q, window=window, softcap=softcap, sinks=sinks, alibi=alibi, varlen=varlen)
     tail = (cutlass.Float32(1.0), *max_ctas, *split, *packed, *scores, make_fake_stream(use_tvm_ffi_env_stream=True))
     if dtype != "fp8":
         return (q, k, tensor(element, batch, heads_kv, seqlen_k, head_dim), out, lse, *tail)
@@ -206,6 +198,36 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
     descale = make_fake_tensor(cutlass.Float32, (3, batch, heads_kv), (cute.sym_int64(), cute.sym_int64(), 1),
                                assumed_align=4)
     return (q, k, v_t, out, lse, descale, *tail)
+
+
+def fake_packed() -> tuple:
+    """A packed (VARLEN) kernel's fake int32 offsets cu_seqlens_q and cu_seqlens_k (batch + 1,) and tile table
+    (tiles, 2) (cute_varlen.py), forward or backward. (cutlass is imported for the target arch already.)"""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return (*(make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4) for _ in range(2)),
+            make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8))
+
+
+def fake_scores(batch, heads_q, *, window: bool = False, softcap: bool = False, sinks: bool = False,
+                alibi: bool = False, varlen: bool = False) -> tuple:
+    """The score features' fake values in the kernels' order (forward and backward): with ``window`` the Int32 bounds
+    (left, right), with ``softcap`` the Float32 pre-tanh scale, with ``sinks`` the fp32 logits (heads_q,), with
+    ``alibi`` the fp32 slopes (batch, heads_q): a row per sequence, so with ``varlen`` (q's batch 1) a count of
+    their own."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    scores = ((cutlass.Int32(1), cutlass.Int32(1)) if window else ()) + ((cutlass.Float32(1.0),) if softcap else ())
+    if sinks:
+        scores += (make_fake_tensor(cutlass.Float32, (heads_q,), (1,), assumed_align=4),)
+    if alibi:
+        rows = cute.sym_int32() if varlen else batch
+        scores += (make_fake_tensor(cutlass.Float32, (rows, heads_q), (cute.sym_int64(), 1), assumed_align=4),)
+    return scores
 
 
 def compile_arguments(module, dtype: str, causal: bool, arch: str):
