@@ -81,10 +81,10 @@ def _inputs(shape: Shape, dtype, gen, device):
 
 
 def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 25, rep_ms: float = 60,
-                 progress=print, device: str = "cuda", rounds: int = 2) -> list[dict]:
+                 progress=print, device: str = "cuda", rounds: int | None = None) -> list[dict]:
     """One entry per (shape, mode, plan) that ran: its TFLOP/s (dispatch.costs.flops over the median). The plans of
     a (shape, mode) are timed in ``rounds`` interleaved rounds (measure.interleaved_ms: an untimed pass, then
-    measure.balanced_orders; ``rep_ms`` split among them, each after ``warmup_ms``: short warm-ups let the clock
+    measure.balanced_orders; None: the whole balanced design, 6 rounds for 3 plans; ``rep_ms`` split among them, each after ``warmup_ms``: short warm-ups let the clock
     state the previous plan left bias the next, benchmarks/dispatch_check.py), the median of the rounds kept; on the
     CPU one after another."""
     names = [n for n in priority(detect(torch.device(device))) if n not in UNTIMED]
@@ -111,7 +111,8 @@ def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 25, 
                     continue
                 runners[plan], problems[plan] = run, decision.problem
             if q.device.type == "cuda":
-                times = measure.interleaved_ms(runners, rounds, warmup_ms, rep_ms / rounds)
+                count = len(measure.balanced_orders(len(runners))) if rounds is None else rounds
+                times = measure.interleaved_ms(runners, count, warmup_ms, rep_ms / count)
             else:
                 times = {plan: [measure.time_ms(run, q.device, warmup_ms, rep_ms)[0]] for plan, run in runners.items()}
             for plan, ms_list in times.items():

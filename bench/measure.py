@@ -62,10 +62,11 @@ def time_ms(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> tuple[
 
 
 def balanced_orders(n: int) -> list[list[int]]:
-    """Orders of ``n`` runners, one per round, as a Williams design (a balanced Latin square, the crossover trials'
-    tool): over ``n`` rounds each runner takes every position once (so the first round's setup or a drifting clock
-    favours none), and over the whole list (``n`` rounds for even ``n``, ``2n`` for odd) each runner follows every
-    other equally often (once for even ``n``, twice for odd: so none always follows the same one)."""
+    """Orders of ``n`` runners, one per round, from a Williams design (a balanced Latin square, the crossover trials'
+    tool): over the whole list (``n`` rounds for even ``n``; ``2n`` for odd, each row of the square followed by its
+    mirror) each runner takes every position equally often and follows every other equally often (once for even
+    ``n``, twice for odd), so that neither a round's start nor the runner timed before favours any. The first ``n``
+    rounds open with ``n`` different runners."""
     base, low, high = [0], 1, n - 1
     while len(base) < n:
         base.append(low)
@@ -74,23 +75,30 @@ def balanced_orders(n: int) -> list[list[int]]:
             base.append(high)
             high -= 1
     orders = [[(i + r) % n for i in base] for r in range(n)]
-    return orders + [order[::-1] for order in orders] if n % 2 else orders
+    if n % 2 == 0:
+        return orders
+    # odd n: each row then its mirror, so that a run of fewer rounds than the list is as balanced as it can be
+    return [order for row in orders for order in (row, row[::-1])]
 
 
-def interleaved_ms(runners: dict, rounds: int, warmup_ms: float = 25, rep_ms: float = 200) -> dict[str, list[float]]:
-    """CUDA runners timed in rounds, each once per round (time_ms's median), in balanced_orders: {name: [ms, one per
-    round]}. An untimed pass over every runner comes first, so that the first runner timed follows the same kind of
-    work as the others. (Rotating the order alone, benchmarks/dispatch_check.py on the H200 timed attnforge's sdpa
-    backend always right after triton_fa2, its slowest and least power-hungry kernel, and measured it up to 8% above
-    the same SDPA call made by stock torch later in the same rounds; rotated and every other round reversed, the
-    first runner opened two rounds of three, and attnforge's automatic choice measured 5-6% below the same kernel
-    forced in two rows: benchmarks/results/2026-12-03-h200-retune/.)"""
+def interleaved_ms(runners: dict, rounds: int | None = None, warmup_ms: float = 25,
+                   rep_ms: float = 200) -> dict[str, list[float]]:
+    """CUDA runners timed in rounds, each once per round (time_ms's median), in balanced_orders (``rounds`` None:
+    all of them, the full balance): {name: [ms, one per round]}. An untimed pass over every runner comes first, so
+    that the first runner timed follows the same kind of work as the others. What a runner follows matters on the
+    H200 at its power cap: a kernel timed right after a slow, low-power one runs at a higher clock. (Rotating the
+    order alone, benchmarks/dispatch_check.py timed attnforge's sdpa backend always right after triton_fa2, its
+    slowest and least power-hungry kernel, and measured it up to 8% above the same SDPA call made by stock torch
+    later in the same rounds; rotated and every other round reversed, the first runner opened two rounds of three,
+    and attnforge's automatic choice measured 5-6% below the same kernel forced in two rows; in two rounds of the
+    balanced orders of three runners, sdpa followed triton_fa2 in both, and `attnforge tune --costs` measured its
+    d=256 forwards 3-5% above what the checks found: benchmarks/results/2026-12-03-h200-retune/.)"""
     names, cuda = list(runners), torch.device("cuda")
     for name in names:
         time_ms(runners[name], cuda, warmup_ms, warmup_ms)
     times = {name: [] for name in names}
     orders = balanced_orders(len(names))
-    for r in range(rounds):
+    for r in range(len(orders) if rounds is None else rounds):
         for i in orders[r % len(orders)]:
             times[names[i]].append(time_ms(runners[names[i]], cuda, warmup_ms, rep_ms)[0])
     return times

@@ -47,8 +47,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--set", default="all", choices=tuple(SETS), help="the model shapes, the standard grid "
                         "(d 64/128/256 x N 1k/4k/16k x full/causal, 16k tokens, heads 2048/d), or both (default)")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="interleaved timing rounds per row (default 5: with five plans, each opens one round)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds per row (default: the "
+                        "whole balanced design, 10 rounds for five plans: each follows every other twice)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     environment = measure.environment(torch.device("cuda"))
@@ -73,8 +73,9 @@ def main() -> None:
             # the 25 ms warm-up: with 10 ms (and 50 ms of repetitions) the sdpa backend, then always timed right after
             # triton_fa2, measured up to 9% above the same SDPA call by stock torch (dispatch_check-2.json in
             # benchmarks/results/2026-12-02-h200-dispatch/; 25 ms and one 150 ms block: within 3%)
+            rounds = args.rounds or len(measure.balanced_orders(len(impls)))
             times = measure.interleaved_ms({name: measure.step(fn, q, k, v, dout, mode) for name, fn in impls.items()},
-                                           args.rounds, warmup_ms=25, rep_ms=150 / args.rounds)
+                                           rounds, warmup_ms=25, rep_ms=150 / rounds)
             tflops = {name: flop / (statistics.median(ms) * 1e-3) / 1e12 for name, ms in times.items()}
             best = max((n for n in tflops if n != "auto"), key=tflops.get)
             row = {"shape": label, "mode": mode, "tflops": {n: round(t, 1) for n, t in tflops.items()},

@@ -65,18 +65,19 @@ def test_bad_bench_arguments(capsys):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
 def test_balanced_orders_put_each_runner_in_every_position_and_after_every_other(n):
-    """A Williams design: over n rounds every runner opens once and takes every position once; over all of its rounds
-    each runner follows every other equally often (once for even n, twice for odd)."""
+    """A Williams design: over all of its rounds every runner takes every position equally often and follows every
+    other equally often (once for even n, twice for odd); the first n rounds open with n different runners."""
     from attnforge.bench import measure
 
     orders = measure.balanced_orders(n)
-    assert len(orders) == (2 * n if n % 2 else n)
+    times = 2 if n % 2 else 1
+    assert len(orders) == times * n
     assert all(sorted(order) == list(range(n)) for order in orders)
     for position in range(n):
-        assert sorted(order[position] for order in orders[:n]) == list(range(n))
+        assert sorted(order[position] for order in orders) == sorted(list(range(n)) * times)
     pairs = [(order[i - 1], order[i]) for order in orders for i in range(1, n)]
-    times = 2 if n % 2 else 1
     assert sorted(pairs) == sorted((a, b) for a in range(n) for b in range(n) if a != b for _ in range(times))
+    assert sorted(order[0] for order in orders[:n]) == list(range(n))
 
 
 def test_interleaved_rounds_time_every_runner_once_per_round_after_an_untimed_pass(monkeypatch):
@@ -90,9 +91,10 @@ def test_interleaved_rounds_time_every_runner_once_per_round_after_an_untimed_pa
     times = measure.interleaved_ms(runners, rounds=4)
     rounds = ["".join("abc"[i] for i in o) for o in measure.balanced_orders(3)[:4]]
     assert order == list("abc" + "".join(rounds))
-    assert [r[0] for r in rounds[:3]] == list("abc")  # each opens one of the first three rounds
     assert times == {name: [float(i + 1) for i, timed in enumerate(order) if timed == name and i >= 3]
                      for name in "abc"}
+    order.clear()
+    assert len(measure.interleaved_ms(runners)["a"]) == 6  # rounds=None: the whole design, 2 x 3 rounds
 
 
 def test_cpu_deciles_lie_within_the_samples(monkeypatch):
