@@ -4,7 +4,9 @@
 #   bench  forward+backward at d=64/128 (BENCH_DIMS), N=1k/4k/16k, 16k tokens, against cuDNN and FA4 (`attnforge
 #          bench --mode fwd+bwd`: FLOPs 3.5x the forward's 4 N^2 d per head, halved causal);
 #   gqa    a Llama-style GQA 32/8 causal training shape (d=128, N=8k, batch 2) against cuDNN and FA4.
-#   bash benchmarks/run_backward.sh OUTDIR
+#   sweep  the table's backward kernels, served or not (benchmarks/sweep_bwd_sm90.py: each checked against fp64 first),
+#          at SWEEP_DIMS (default 256) and N=1k/4k/16k, beside cuDNN and FA4, deterministic forms included.
+#   bash benchmarks/run_backward.sh OUTDIR;  STEPS="tests sweep" TESTS_K=256 bash benchmarks/run_backward.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: bash benchmarks/run_backward.sh OUTDIR}; mkdir -p "$out"
 source benchmarks/gpu_env.sh "$out"
@@ -21,5 +23,8 @@ for step in ${STEPS:-tests bench}; do
     gqa) timeout "${GQA_S:-120}" python3 -m attnforge bench --dtype bf16 --mode fwd+bwd --head-dim 128 --seqlen 8192 \
              --tokens 16384 --heads 32 --kv-heads 8 --causal true --backends auto,cute_sm90,sdpa-cudnn,fa4 --baseline fa4 \
              --out "$out/gqa.json" 2>&1 | grep -v Warning | tee "$out/gqa.txt" | tail -n 20 ;;
+    sweep) timeout "${SWEEP_S:-420}" python3 benchmarks/sweep_bwd_sm90.py --head-dim "${SWEEP_DIMS:-256}" \
+             --seqlen "${SWEEP_SEQLEN:-16384,4096,1024}" --rounds 3 --json "$out/sweep.json" 2>&1 | grep -v Warning \
+             | tee "$out/sweep.txt" | tail -n 30 ;;
   esac
 done

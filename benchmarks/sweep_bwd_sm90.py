@@ -123,7 +123,8 @@ def main() -> None:
 
                 runners = {label(var): candidate_step(var, q, k, v, dout, scale)
                            for var in variants[d, causal] if failed[var.name] is None}
-                runners["attnforge (table)"] = measure.step(attnforge_step, q, k, v, dout, "fwd+bwd")
+                if attnforge.explain(q, k, v, causal=causal, layout="bshd", needs_grad=True, backend="cute_sm90").ok:
+                    runners["attnforge (table)"] = measure.step(attnforge_step, q, k, v, dout, "fwd+bwd")
                 for peer in ("sdpa-cudnn", "fa4"):
                     runners[peer] = measure.step(table[peer].make(causal, scale), q, k, v, dout, "fwd+bwd")
                 times = measure.interleaved_ms(runners, args.rounds)

@@ -14,7 +14,7 @@ import dataclasses
 from ...dispatch.variant import first_that_fits
 from .variants import REGISTERS_PER_SM, SMEM_BYTES
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # Automatic dispatch and this backward (a forced cute_sm90 always runs it). Where the arch's measured cost table
 # (dispatch/costs/<arch>.json) covers the pairing PLAN for the problem, it competes with the other measured plans.
 # Where the table measures the problem's class but not PLAN (it times cute_sm90's forward with triton_fa2's
@@ -41,6 +41,11 @@ NOT_AUTO_BECAUSE = ("the cost table measures this problem's class but not its pa
 PACKED = True
 PACKED_REASON = ("its packed (varlen) backward kernel is turned off "
                  "(backends/cute_sm90/bwd_variants.py, PACKED)")
+# The head-dim-256 kernel (split_head_dim: SPLIT_HEAD_DIM in the template) compiles for sm_90a with its SASS checked
+# (tests/backends/cute_sm90/test_compile.py) but has not run on a GPU: until its GPU tests pass it is not served.
+SPLIT_HEAD_DIM_SERVED = False
+SPLIT_HEAD_DIM_REASON = ("its head-dim-256 backward kernel is compiled but not yet run on a GPU "
+                         "(backends/cute_sm90/bwd_variants.py, SPLIT_HEAD_DIM_SERVED)")
 # Per consumer thread beyond the accumulators and P: addresses, loop state, the LSE and delta of its columns.
 # A rough figure: ptxas decides, and the compile test fails on a spill the table does not accept.
 REGISTER_OVERHEAD = 16
@@ -60,13 +65,16 @@ class Sm90BwdTile:
     # ptxas serializes the WGMMAs (a wait after each) where it cannot keep their registers in flight; the compile
     # test fails on that unless the table accepts it here, with the measurement that kept the tile
     accepts_serialized_wgmma: bool = False
+    # two warpgroups share tile_n = 64 keys and split the head dim (SPLIT_HEAD_DIM in the template: P^T and dS^T
+    # through shared memory), for head dims whose dK and dV do not fit one warpgroup's registers
+    split_head_dim: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
-        return self.tile_n // 64
+        return 2 if self.split_head_dim else self.tile_n // 64
 
     def module(self, head_dim: int) -> str:
-        return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}"
+        return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{'_sd' if self.split_head_dim else ''}"
 
     def params(self, head_dim: int) -> dict:
         return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": head_dim}
@@ -74,18 +82,26 @@ class Sm90BwdTile:
     def smem_bytes(self, head_dim: int) -> int:
         kv = 2 * self.tile_n * head_dim * 2  # K and V
         q_do = 2 * self.q_stages * self.tile_m * head_dim * 2  # Q and dO stages
-        ds = 2 * self.tile_m * self.tile_n * 2  # two dS stages
+        ds = 2 * self.tile_m * self.tile_n * 2 * (2 if self.split_head_dim else 1)  # two dS (and P^T) stages
         dq = self.tile_m * head_dim * 4  # the fp32 dQ staging buffers of both warpgroups
-        rows = 2 * self.q_stages * self.tile_m * 4  # LSE and delta
-        return kv + q_do + ds + dq + rows + 8 * (2 + 4 * self.q_stages) + 7 * 1024  # mbarriers, alignment
+        # the template's Storage: the mbarriers, then the LSE and delta rows (128-byte aligned), then the buffers,
+        # each 1024-byte aligned and a multiple of 1024 bytes
+        head = 8 * (2 + 4 * self.q_stages) + 2 * -(-self.q_stages * self.tile_m * 4 // 128) * 128
+        return -(-head // 1024) * 1024 + kv + q_do + ds + dq
 
     def registers_needed(self, head_dim: int) -> int:
         """Per consumer thread at the busiest point: dK and dV (64 x head_dim fp32 each), S^T and dP^T
-        (64 x tile_m fp32 each) and P^T (16-bit, two per register), over a warpgroup's 128 threads."""
+        (64 x tile_m fp32 each) and P^T (16-bit, two per register), over a warpgroup's 128 threads. With
+        split_head_dim: dK and dV of half the head dim, and the larger of S^T with dP^T (half the queries each) and
+        dQ (tile_m x half the head dim), which are not alive together."""
+        if self.split_head_dim:
+            half = head_dim // 2
+            return (2 * 64 * half + max(2 * 64 * self.tile_m // 2, self.tile_m * half)) // 128 + REGISTER_OVERHEAD
         return (2 * 64 * head_dim + 2 * 64 * self.tile_m + 64 * self.tile_m // 2) // 128 + REGISTER_OVERHEAD
 
     def describe(self) -> str:
-        return f"{self.tile_m}x{self.tile_n} s{self.q_stages} {self.consumer_warpgroups} consumer warpgroups"
+        return (f"{self.tile_m}x{self.tile_n} s{self.q_stages} {self.consumer_warpgroups} consumer warpgroups"
+                f"{' splitting the head dim' if self.split_head_dim else ''}")
 
 
 def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
@@ -93,7 +109,14 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
     reasons = []
     if head_dim not in HEAD_DIMS:
         reasons.append(f"head_dim {head_dim} has no cute_sm90 backward (has {', '.join(map(str, HEAD_DIMS))})")
-    if tile.tile_n != 128:
+    if tile.split_head_dim:
+        if tile.tile_n != 64 or tile.tile_m != 64:
+            reasons.append(f"split_head_dim takes 64 x 64 tiles (two warpgroups on 64 keys), not "
+                           f"{tile.tile_m}x{tile.tile_n}")
+        if head_dim // 2 not in (64, 128):
+            reasons.append(f"split_head_dim gives each warpgroup {head_dim // 2} of head_dim {head_dim}'s columns, not "
+                           "a multiple of the 128-byte swizzle width")
+    elif tile.tile_n != 128:
         reasons.append(f"tile_n {tile.tile_n} != 128 (two consumer warpgroups of 64 keys)")
     if tile.tile_m not in (64, 128):
         reasons.append(f"tile_m {tile.tile_m} is not 64 or 128 (dQ splits by 64-row warpgroups or by columns)")
@@ -115,15 +138,28 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # d=128 554/542, d=64 487/467, against FlashAttention-4's 614/576 and 523/516 and cuDNN's 536/527 and 446/430 in
 # the same run (benchmarks/results/2026-12-01-h200-cute_sm90-bwd-order/). A 64-row query block at d=64 would free
 # registers, but then dQ's 32 columns per warpgroup are below a 128-byte swizzle (check()).
+# Head dim 256 (FlashAttention-3's tiles there: 64 query rows, 80 keys, the head dim split between two warpgroups):
+# 64 x 64 with one stage of Q and dO, to fit 227 KB of shared memory; not yet run on a GPU (SPLIT_HEAD_DIM_SERVED).
 BWD: dict[int, list[Sm90BwdTile]] = {
     64: [Sm90BwdTile(128, accepted_spill_bytes=8)],
     128: [Sm90BwdTile(64)],
+    256: [Sm90BwdTile(64, tile_n=64, q_stages=1, split_head_dim=True)],
 }
 
 
-def pick(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
-    """The backward tile for a 16-bit ``head_dim``: the first in the table that passes check(), or the reasons."""
+def table_tile(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
+    """The table's tile for a 16-bit ``head_dim``, served or not: the first that passes check(), or the reasons
+    (the GPU tests and benchmarks/sweep_bwd_sm90.py run a kernel before it is served)."""
     candidates = BWD.get(head_dim)
     if not candidates:
         return None, [f"head_dim {head_dim} has no cute_sm90 backward (has {', '.join(map(str, HEAD_DIMS))})"]
     return first_that_fits(candidates, lambda tile: check(tile, head_dim))
+
+
+def pick(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
+    """The backward tile the planner serves for a 16-bit ``head_dim``: table_tile's, unless it is one not yet
+    served (SPLIT_HEAD_DIM_SERVED), or the reasons."""
+    tile, reasons = table_tile(head_dim)
+    if tile is not None and tile.split_head_dim and not SPLIT_HEAD_DIM_SERVED:
+        return None, [SPLIT_HEAD_DIM_REASON]
+    return tile, reasons

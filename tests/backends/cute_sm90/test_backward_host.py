@@ -1,6 +1,7 @@
 """The host side of cute_sm90's backward, with no GPU: the row statistics its kernel loads, its table's one
 validity check, and what plan_backward says for problems it does not serve."""
 
+import dataclasses
 import math
 import pathlib
 
@@ -36,7 +37,18 @@ def test_row_statistics_keep_nan():
 def test_the_table_passes_its_own_check():
     for head_dim, tiles in bwd_variants.BWD.items():
         assert bwd_variants.check(tiles[0], head_dim) == []
-        assert bwd_variants.pick(head_dim) == (tiles[0], [])
+        assert bwd_variants.table_tile(head_dim) == (tiles[0], [])
+        served = not tiles[0].split_head_dim or bwd_variants.SPLIT_HEAD_DIM_SERVED
+        assert bwd_variants.pick(head_dim) == ((tiles[0], []) if served else (None, [bwd_variants.SPLIT_HEAD_DIM_REASON]))
+
+
+def test_the_head_dim_256_tile_fits_and_splits_the_head_dim():
+    tile = bwd_variants.BWD[256][0]
+    assert tile.split_head_dim and tile.consumer_warpgroups == 2 and (tile.tile_m, tile.tile_n) == (64, 64)
+    assert tile.smem_bytes(256) <= bwd_variants.SMEM_BYTES
+    assert tile.registers_needed(256) <= tile.consumer_registers
+    # two stages of Q and dO do not fit beside K, V, the dS and P^T stages and dQ's staging buffers
+    assert any("shared memory" in r for r in bwd_variants.check(dataclasses.replace(tile, q_stages=2), 256))
 
 
 @pytest.mark.parametrize(("tile", "head_dim", "reason"), [
@@ -46,15 +58,17 @@ def test_the_table_passes_its_own_check():
     (bwd_variants.Sm90BwdTile(64), 64, "splits dQ's 64 columns into 32"),
     (bwd_variants.Sm90BwdTile(128, q_stages=3), 128, "shared memory"),
     (bwd_variants.Sm90BwdTile(128), 128, "registers per consumer thread"),
+    (bwd_variants.Sm90BwdTile(64, tile_n=128, split_head_dim=True), 256, "split_head_dim takes 64 x 64 tiles"),
+    (bwd_variants.Sm90BwdTile(64, tile_n=64, q_stages=1, split_head_dim=True), 96, "not a multiple of the 128-byte"),
 ])
 def test_check_names_what_does_not_fit(tile, head_dim, reason):
     assert any(reason in r for r in bwd_variants.check(tile, head_dim)), bwd_variants.check(tile, head_dim)
 
 
 @pytest.mark.parametrize(("kw", "reason"), [
-    (dict(head_dim=96), "head_dim 96 has no cute_sm90 backward (has 64, 128)"),
-    (dict(head_dim=256), "head_dim 256 has no cute_sm90 backward (has 64, 128)"),
-    (dict(head_dim=80), "head_dim 80 has no cute_sm90 backward (has 64, 128)"),
+    (dict(head_dim=96), "head_dim 96 has no cute_sm90 backward (has 64, 128, 256)"),
+    (dict(head_dim=256), "its head-dim-256 backward kernel is compiled but not yet run on a GPU"),
+    (dict(head_dim=80), "head_dim 80 has no cute_sm90 backward (has 64, 128, 256)"),
 ])
 def test_a_forced_backend_says_why_its_backward_cannot_serve(kw, reason):
     """Forcing cute_sm90 for training where its backward does not serve: the next backward runs, and says why."""

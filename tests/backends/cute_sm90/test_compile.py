@@ -24,6 +24,8 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
 
 
+# the backward's head dims the planner serves (bwd_variants: 256 compiled here, not served until run on a GPU)
+SERVED_BWD_HEAD_DIMS = [d for d in bwd_variants.HEAD_DIMS if bwd_variants.pick(d)[0] is not None]
 ALL = registered()["cute_sm90"].variants()  # every variant the planner can pick: what `attnforge build` compiles
 VARIANTS = [v for v in ALL if isinstance(v, Sm90Variant)]
 BWD_VARIANTS = [v for v in ALL if isinstance(v, Sm90BwdVariant)]
@@ -38,7 +40,7 @@ def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
         for dtype in cc.DTYPES if cc.KIND[dtype] == kind for causal in (False, True))
     assert all(v.build.arch == cc.ARCH == "sm_90a" and v.build.module == v.module for v in VARIANTS)
     assert sorted(v.name for v in BWD_VARIANTS) == sorted(
-        Sm90BwdVariant(bwd_variants.pick(d)[0], d, dtype, causal).name for d in bwd_variants.HEAD_DIMS
+        Sm90BwdVariant(bwd_variants.pick(d)[0], d, dtype, causal).name for d in SERVED_BWD_HEAD_DIMS
         for dtype in ("fp16", "bf16") for causal in (False, True))
     assert len(ALL) == len(VARIANTS) + len(BWD_VARIANTS)
 
@@ -205,7 +207,7 @@ WINDOW_BWD_SPILL_BYTES = {64: 40}
 
 @pytest.mark.parametrize("variant", WINDOW_BWD, ids=[v.name for v in WINDOW_BWD])
 def test_window_backward_compiles_with_its_gemms_unserialized(tmp_path, variant):
-    assert len(WINDOW_BWD) == 2 * len(bwd_variants.HEAD_DIMS)
+    assert len(WINDOW_BWD) == 2 * len(SERVED_BWD_HEAD_DIMS)
     backward_sass(tmp_path, variant, WINDOW_BWD_SPILL_BYTES.get(variant.head_dim, 0))
 
 
@@ -221,7 +223,7 @@ FEATURE_BWD_SPILL_BYTES = {64: 344, 128: 128}
 
 @pytest.mark.parametrize("variant", FEATURE_BWD, ids=[v.name for v in FEATURE_BWD])
 def test_softcap_and_alibi_backward_compile_with_one_tanh_and_log_per_score(tmp_path, variant):
-    assert len(FEATURE_BWD) == 3 * 2 * len(bwd_variants.HEAD_DIMS)
+    assert len(FEATURE_BWD) == 3 * 2 * len(SERVED_BWD_HEAD_DIMS)
     sass = backward_sass(tmp_path, variant, FEATURE_BWD_SPILL_BYTES[variant.head_dim])
     # per score of S^T (tile_m / 2 a thread) in each of the step's two copies (masked and not): one MUFU.EX2 for P;
     # with SOFTCAP one MUFU.TANH for the cap and one MUFU.LG2 for its derivative (tanh recovered from P)
@@ -233,7 +235,7 @@ def test_softcap_and_alibi_backward_compile_with_one_tanh_and_log_per_score(tmp_
 # The backward's packed (VARLEN) kernels, bf16, with and without the window: what `attnforge build --features
 # varlen,varlen+window` builds (bwd_variants.PACKED)
 VARLEN_BWD = [Sm90BwdVariant(bwd_variants.pick(d)[0], d, "bf16", causal, False, window, True)
-              for d in bwd_variants.HEAD_DIMS for window in (False, True) for causal in (False, True)]
+              for d in SERVED_BWD_HEAD_DIMS for window in (False, True) for causal in (False, True)]
 # measured here (stack bytes): d=64 causal 40 (8 dense; 24 with the window), d=128 causal 8 (0 dense)
 VARLEN_BWD_SPILL_BYTES = {64: 40, 128: 8}
 
@@ -258,3 +260,32 @@ def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_p
     # deterministic: the dQ warp's acquire loads of a query block's count and its release add; in the others neither
     ordered = [bool(re.search(rf"\b{op}\S*\.STRONG\.GPU", sass)) for op in ("LDG", "REDG")]
     assert ordered == [variant.deterministic] * 2, ordered
+
+
+# The head-dim-256 backward (split_head_dim), both dtypes and causalities: compiled and checked here before it is
+# served (bwd_variants.SPLIT_HEAD_DIM_SERVED)
+SPLIT_BWD = [Sm90BwdVariant(tile, 256, dtype, causal, deterministic) for tile in bwd_variants.BWD[256]
+             for dtype in ("bf16", "fp16") for causal in (False, True) for deterministic in (False, True)
+             if dtype == "bf16" or not deterministic]
+
+
+def test_the_head_dim_256_backward_is_not_served_before_it_runs_on_a_gpu():
+    assert all(tile.split_head_dim for tile in bwd_variants.BWD[256])
+    assert not bwd_variants.SPLIT_HEAD_DIM_SERVED and 256 not in SERVED_BWD_HEAD_DIMS
+    assert bwd_variants.pick(256) == (None, [bwd_variants.SPLIT_HEAD_DIM_REASON])
+
+
+@pytest.mark.parametrize("variant", SPLIT_BWD, ids=[v.name for v in SPLIT_BWD])
+def test_head_dim_256_backward_splits_the_head_dim_between_its_warpgroups(tmp_path, variant):
+    tile = variant.tile
+    sass = backward_sass(tmp_path, variant, 0)
+    element = r"\.BF16" if variant.dtype == "bf16" else ""
+    half = variant.head_dim // 2
+    # S^T = K Q^T and dP^T = V dO^T: 64 keys by half the query block per warpgroup, both operands from shared memory
+    assert re.search(rf"HGMMA\.64x{tile.tile_m // 2}x16\.F32{element} R\d+, gdesc\[UR\d+\], RZ, !UPT", sass)
+    # dV += P^T dO and dK += dS^T Q: P^T and dS^T from shared memory (no register A operand), dO and Q read
+    # transposed, half the head dim per warpgroup
+    assert len(re.findall(rf"HGMMA\.64x{half}x16\.F32{element} R\d+, gdesc\[UR\d+\]\.tnspB", sass)) >= 2
+    assert not re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", sass)
+    # dQ = dS K: dS and K read transposed, half the head dim per warpgroup
+    assert re.search(rf"HGMMA\.64x{half}x16\.F32{element} R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass)

@@ -21,10 +21,11 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def planned(dtype: str, head_dim: int, causal: bool, deterministic: bool = False):
-    """The backward Variant the planner makes for (dtype, head_dim, causal, deterministic)."""
+    """The backward Variant of the table's tile for (dtype, head_dim, causal, deterministic), served or not (the
+    head-dim-256 kernel is tested here before bwd_variants.SPLIT_HEAD_DIM_SERVED serves it)."""
     from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
 
-    tile, why = bwd_variants.pick(head_dim)
+    tile, why = bwd_variants.table_tile(head_dim)
     assert tile is not None, why
     return Sm90BwdVariant(tile, head_dim, dtype, causal, deterministic)
 
