@@ -74,7 +74,7 @@ def test_a_forced_backend_says_why_its_backward_cannot_serve(kw, reason):
     """Forcing cute_sm90 for training where its backward does not serve: the next backward runs, and says why."""
     d = explain(device="H100", dtype="bf16", seqlen_q=512, needs_grad=True, backend="cute_sm90", **kw)
     assert d.forward.backend == "cute_sm90" and d.backward.backend not in (None, "cute_sm90")
-    assert reason in d.backward.reasons_of("cute_sm90")
+    assert any(reason in r for r in d.backward.reasons_of("cute_sm90")), d.backward.reasons_of("cute_sm90")
 
 
 def test_a_forced_training_call_shows_its_backward_in_the_decision():
