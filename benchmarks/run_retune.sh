@@ -28,6 +28,5 @@ case "${PART:?PART=a, b, models or check}" in
     python3 -m attnforge tune --costs --merge "$OUT/costs-models.json" dispatch/costs/sm90.json --out "$OUT/sm90.json" ;;
   check)
     if [ -n "${TABLE:-}" ]; then cp "$TABLE" dispatch/costs/sm90.json; fi
-    python3 benchmarks/dispatch_check.py --set all --json "$OUT/dispatch_check.json" > "$OUT/dispatch_check.log" 2>&1
-    grep "auto=\|worst" "$OUT/dispatch_check.log" | cut -c1-150 ;;
+    bash benchmarks/run_dispatch_check.sh "$OUT" ;;
 esac
