@@ -168,6 +168,9 @@ class CuteSm90Backend(Backend):
             reasons.append("its deterministic backward takes no packed (varlen) batch (the default one does)")
         tile, why = bwd_variants.pick(problem.head_dim)
         reasons += why
+        if tile is not None:
+            reasons += bwd_variants.feature_reasons(tile, problem.mask.windowed, problem.varlen, bool(problem.softcap),
+                                                    problem.alibi)
         if reasons:
             return None, reasons
         return bwd.Sm90BwdVariant(tile, problem.head_dim, problem.dtype, problem.causal, problem.deterministic,
@@ -227,9 +230,12 @@ class CuteSm90Backend(Backend):
                     for kinds in sorted({frozenset(kinds & kernel_kinds) for kinds in features
                                          if kinds & kernel_kinds and ("varlen" not in kinds or bwd_variants.PACKED)},
                                         key=sorted):
-                        out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, False, "window" in kinds,
-                                                   "varlen" in kinds, "softcap" in kinds, "alibi" in kinds)
-                                for flag in causal]
+                        flags = {"windowed": "window" in kinds, "varlen": "varlen" in kinds,
+                                 "softcap": "softcap" in kinds, "alibi": "alibi" in kinds}
+                        if not bwd_variants.feature_reasons(back, **flags):
+                            out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, False, flags["windowed"],
+                                                       flags["varlen"], flags["softcap"], flags["alibi"])
+                                    for flag in causal]
         return out
 
     def builds(self, variant: Sm90Variant | bwd.Sm90BwdVariant) -> list:

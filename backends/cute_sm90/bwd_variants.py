@@ -42,10 +42,15 @@ PACKED = True
 PACKED_REASON = ("its packed (varlen) backward kernel is turned off "
                  "(backends/cute_sm90/bwd_variants.py, PACKED)")
 # The head-dim-256 kernel (split_head_dim: SPLIT_HEAD_DIM in the template) compiles for sm_90a with its SASS checked
-# (tests/backends/cute_sm90/test_compile.py) but has not run on a GPU: until its GPU tests pass it is not served.
-SPLIT_HEAD_DIM_SERVED = False
-SPLIT_HEAD_DIM_REASON = ("its head-dim-256 backward kernel is compiled but not yet run on a GPU "
+# (tests/backends/cute_sm90/test_compile.py). On the H200 (2026-12-03) its GPU tests passed (tests/backends/cute_sm90/
+# test_gpu_backward.py -k 256: 38, fp16 and bf16, causal and not, odd and GQA shapes, deterministic, large scores),
+# so it is served, for dense batches without score features: its WINDOW, SOFTCAP, ALIBI and VARLEN forms have not been
+# compiled or run (SPLIT_HEAD_DIM_FEATURES_REASON). SPLIT_HEAD_DIM_SERVED = False turns it off.
+SPLIT_HEAD_DIM_SERVED = True
+SPLIT_HEAD_DIM_REASON = ("its head-dim-256 backward kernel is turned off "
                          "(backends/cute_sm90/bwd_variants.py, SPLIT_HEAD_DIM_SERVED)")
+SPLIT_HEAD_DIM_FEATURES_REASON = ("its head-dim-256 backward has no sliding window, softcap, ALiBi or packed (varlen) "
+                                  "form (the dense, plain one is served)")
 # Per consumer thread beyond the accumulators and P: addresses, loop state, the LSE and delta of its columns.
 # A rough figure: ptxas decides, and the compile test fails on a spill the table does not accept.
 REGISTER_OVERHEAD = 16
@@ -139,7 +144,10 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # the same run (benchmarks/results/2026-12-01-h200-cute_sm90-bwd-order/). A 64-row query block at d=64 would free
 # registers, but then dQ's 32 columns per warpgroup are below a 128-byte swizzle (check()).
 # Head dim 256 (FlashAttention-3's tiles there: 64 query rows, 80 keys, the head dim split between two warpgroups):
-# 64 x 64 with one stage of Q and dO, to fit 227 KB of shared memory; not yet run on a GPU (SPLIT_HEAD_DIM_SERVED).
+# 64 x 64 with one stage of Q and dO, to fit 227 KB of shared memory. H200, bf16, forward+backward at 16k tokens
+# (benchmarks/results/2026-12-03-h200-bwd256/sweep.json), TFLOP/s full/causal: N=16k 351/372, N=4k 342/329, N=1k
+# 295/243, against FlashAttention-4's 432/433, 414/387, 346/283 and cuDNN's 415/426, 424/388, 348/281 in the same
+# rounds (triton_fa2's backward, the one served before: 106/110).
 BWD: dict[int, list[Sm90BwdTile]] = {
     64: [Sm90BwdTile(128, accepted_spill_bytes=8)],
     128: [Sm90BwdTile(64)],
@@ -157,9 +165,15 @@ def table_tile(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
 
 
 def pick(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
-    """The backward tile the planner serves for a 16-bit ``head_dim``: table_tile's, unless it is one not yet
-    served (SPLIT_HEAD_DIM_SERVED), or the reasons."""
+    """The backward tile the planner serves for a 16-bit ``head_dim``: table_tile's, unless that tile is turned off
+    (SPLIT_HEAD_DIM_SERVED), or the reasons."""
     tile, reasons = table_tile(head_dim)
     if tile is not None and tile.split_head_dim and not SPLIT_HEAD_DIM_SERVED:
         return None, [SPLIT_HEAD_DIM_REASON]
     return tile, reasons
+
+
+def feature_reasons(tile: Sm90BwdTile, windowed: bool, varlen: bool, softcap: bool, alibi: bool) -> list[str]:
+    """Why ``tile`` cannot serve a backward with these features: empty unless it is the head-dim-256 tile, which is
+    served only in its dense, plain form."""
+    return [SPLIT_HEAD_DIM_FEATURES_REASON] if tile.split_head_dim and (windowed or varlen or softcap or alibi) else []

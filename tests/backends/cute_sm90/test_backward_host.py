@@ -38,8 +38,13 @@ def test_the_table_passes_its_own_check():
     for head_dim, tiles in bwd_variants.BWD.items():
         assert bwd_variants.check(tiles[0], head_dim) == []
         assert bwd_variants.table_tile(head_dim) == (tiles[0], [])
-        served = not tiles[0].split_head_dim or bwd_variants.SPLIT_HEAD_DIM_SERVED
-        assert bwd_variants.pick(head_dim) == ((tiles[0], []) if served else (None, [bwd_variants.SPLIT_HEAD_DIM_REASON]))
+        assert bwd_variants.pick(head_dim) == (tiles[0], [])
+
+
+def test_a_tile_turned_off_says_so(monkeypatch):
+    monkeypatch.setattr(bwd_variants, "SPLIT_HEAD_DIM_SERVED", False)
+    assert bwd_variants.table_tile(256) == (bwd_variants.BWD[256][0], [])
+    assert bwd_variants.pick(256) == (None, [bwd_variants.SPLIT_HEAD_DIM_REASON])
 
 
 def test_the_head_dim_256_tile_fits_and_splits_the_head_dim():
@@ -67,7 +72,8 @@ def test_check_names_what_does_not_fit(tile, head_dim, reason):
 
 @pytest.mark.parametrize(("kw", "reason"), [
     (dict(head_dim=96), "head_dim 96 has no cute_sm90 backward (has 64, 128, 256)"),
-    (dict(head_dim=256), "its head-dim-256 backward kernel is compiled but not yet run on a GPU"),
+    (dict(head_dim=256, softcap=30.0), bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON),
+    (dict(head_dim=256, window_size=(100, 0)), bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON),
     (dict(head_dim=80), "head_dim 80 has no cute_sm90 backward (has 64, 128, 256)"),
 ])
 def test_a_forced_backend_says_why_its_backward_cannot_serve(kw, reason):

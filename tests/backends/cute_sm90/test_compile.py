@@ -26,6 +26,8 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
 
 # the backward's head dims the planner serves (bwd_variants: 256 compiled here, not served until run on a GPU)
 SERVED_BWD_HEAD_DIMS = [d for d in bwd_variants.HEAD_DIMS if bwd_variants.pick(d)[0] is not None]
+# the served head dims whose backward also has WINDOW, SOFTCAP, ALIBI and VARLEN forms (bwd_variants.feature_reasons)
+FEATURE_BWD_HEAD_DIMS = [d for d in SERVED_BWD_HEAD_DIMS if not bwd_variants.pick(d)[0].split_head_dim]
 ALL = registered()["cute_sm90"].variants()  # every variant the planner can pick: what `attnforge build` compiles
 VARIANTS = [v for v in ALL if isinstance(v, Sm90Variant)]
 BWD_VARIANTS = [v for v in ALL if isinstance(v, Sm90BwdVariant)]
@@ -207,7 +209,7 @@ WINDOW_BWD_SPILL_BYTES = {64: 40}
 
 @pytest.mark.parametrize("variant", WINDOW_BWD, ids=[v.name for v in WINDOW_BWD])
 def test_window_backward_compiles_with_its_gemms_unserialized(tmp_path, variant):
-    assert len(WINDOW_BWD) == 2 * len(SERVED_BWD_HEAD_DIMS)
+    assert len(WINDOW_BWD) == 2 * len(FEATURE_BWD_HEAD_DIMS)
     backward_sass(tmp_path, variant, WINDOW_BWD_SPILL_BYTES.get(variant.head_dim, 0))
 
 
@@ -223,7 +225,7 @@ FEATURE_BWD_SPILL_BYTES = {64: 344, 128: 128}
 
 @pytest.mark.parametrize("variant", FEATURE_BWD, ids=[v.name for v in FEATURE_BWD])
 def test_softcap_and_alibi_backward_compile_with_one_tanh_and_log_per_score(tmp_path, variant):
-    assert len(FEATURE_BWD) == 3 * 2 * len(SERVED_BWD_HEAD_DIMS)
+    assert len(FEATURE_BWD) == 3 * 2 * len(FEATURE_BWD_HEAD_DIMS)
     sass = backward_sass(tmp_path, variant, FEATURE_BWD_SPILL_BYTES[variant.head_dim])
     # per score of S^T (tile_m / 2 a thread) in each of the step's two copies (masked and not): one MUFU.EX2 for P;
     # with SOFTCAP one MUFU.TANH for the cap and one MUFU.LG2 for its derivative (tanh recovered from P)
@@ -235,7 +237,7 @@ def test_softcap_and_alibi_backward_compile_with_one_tanh_and_log_per_score(tmp_
 # The backward's packed (VARLEN) kernels, bf16, with and without the window: what `attnforge build --features
 # varlen,varlen+window` builds (bwd_variants.PACKED)
 VARLEN_BWD = [Sm90BwdVariant(bwd_variants.pick(d)[0], d, "bf16", causal, False, window, True)
-              for d in SERVED_BWD_HEAD_DIMS for window in (False, True) for causal in (False, True)]
+              for d in FEATURE_BWD_HEAD_DIMS for window in (False, True) for causal in (False, True)]
 # measured here (stack bytes): d=64 causal 40 (8 dense; 24 with the window), d=128 causal 8 (0 dense)
 VARLEN_BWD_SPILL_BYTES = {64: 40, 128: 8}
 
@@ -245,7 +247,11 @@ def test_varlen_backward_compiles_with_tma_loads_reduce_add_and_its_gemms_unseri
     backward_sass(tmp_path, variant, VARLEN_BWD_SPILL_BYTES.get(variant.head_dim, 0))
 
 
-@pytest.mark.parametrize("variant", BWD_VARIANTS + DETERMINISTIC, ids=[v.name for v in BWD_VARIANTS + DETERMINISTIC])
+# the one-warpgroup-per-64-keys backwards here; the head-dim-256 (split_head_dim) ones below
+UNSPLIT_BWD = [v for v in BWD_VARIANTS + DETERMINISTIC if not v.tile.split_head_dim]
+
+
+@pytest.mark.parametrize("variant", UNSPLIT_BWD, ids=[v.name for v in UNSPLIT_BWD])
 def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_path, variant):
     tile, head_dim = variant.tile, variant.head_dim
     sass = backward_sass(tmp_path, variant, 0)  # (the table's accepted spill only)
@@ -262,17 +268,21 @@ def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_p
     assert ordered == [variant.deterministic] * 2, ordered
 
 
-# The head-dim-256 backward (split_head_dim), both dtypes and causalities: compiled and checked here before it is
-# served (bwd_variants.SPLIT_HEAD_DIM_SERVED)
-SPLIT_BWD = [Sm90BwdVariant(tile, 256, dtype, causal, deterministic) for tile in bwd_variants.BWD[256]
-             for dtype in ("bf16", "fp16") for causal in (False, True) for deterministic in (False, True)
-             if dtype == "bf16" or not deterministic]
+# The head-dim-256 backward (split_head_dim), both dtypes and causalities, with its deterministic form
+SPLIT_BWD = [v for v in BWD_VARIANTS + DETERMINISTIC if v.tile.split_head_dim]
 
 
-def test_the_head_dim_256_backward_is_not_served_before_it_runs_on_a_gpu():
-    assert all(tile.split_head_dim for tile in bwd_variants.BWD[256])
-    assert not bwd_variants.SPLIT_HEAD_DIM_SERVED and 256 not in SERVED_BWD_HEAD_DIMS
-    assert bwd_variants.pick(256) == (None, [bwd_variants.SPLIT_HEAD_DIM_REASON])
+def test_the_head_dim_256_backward_is_served_without_feature_forms():
+    tile = bwd_variants.BWD[256][0]
+    assert tile.split_head_dim and bwd_variants.SPLIT_HEAD_DIM_SERVED and 256 in SERVED_BWD_HEAD_DIMS
+    assert len(SPLIT_BWD) == 6  # fp16 and bf16, causal and not, and bf16's deterministic pair
+    assert bwd_variants.pick(256) == (tile, [])
+    # the feature lists below (what `build --features` adds) leave it out: its feature forms were never compiled
+    assert not any(v.head_dim == 256 for v in WINDOW_BWD + FEATURE_BWD)
+    assert bwd_variants.feature_reasons(tile, windowed=False, varlen=False, softcap=False, alibi=False) == []
+    for flag in ("windowed", "varlen", "softcap", "alibi"):
+        flags = dict.fromkeys(("windowed", "varlen", "softcap", "alibi"), False) | {flag: True}
+        assert bwd_variants.feature_reasons(tile, **flags) == [bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON]
 
 
 @pytest.mark.parametrize("variant", SPLIT_BWD, ids=[v.name for v in SPLIT_BWD])

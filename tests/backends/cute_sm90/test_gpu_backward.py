@@ -21,8 +21,8 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def planned(dtype: str, head_dim: int, causal: bool, deterministic: bool = False):
-    """The backward Variant of the table's tile for (dtype, head_dim, causal, deterministic), served or not (the
-    head-dim-256 kernel is tested here before bwd_variants.SPLIT_HEAD_DIM_SERVED serves it)."""
+    """The backward Variant of the table's tile for (dtype, head_dim, causal, deterministic), served or turned off
+    (bwd_variants.table_tile)."""
     from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
 
     tile, why = bwd_variants.table_tile(head_dim)
