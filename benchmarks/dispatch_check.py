@@ -6,7 +6,7 @@ and forward+backward: attnforge auto, every backend forced, and stock ``F.scaled
 medians, the median over the rounds; kernel speed). TFLOP/s by dispatch.costs.flops. Prints auto's ratio to the fastest
 and the evidence its Decision chose by.
 
-    python benchmarks/dispatch_check.py [--set models|grid|all] [--json out.json]
+    python benchmarks/dispatch_check.py [--set models|grid|all] [--only LABEL-TEXT] [--rounds N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -49,11 +49,14 @@ def main() -> None:
                         "(d 64/128/256 x N 1k/4k/16k x full/causal, 16k tokens, heads 2048/d), or both (default)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds per row (default: the "
                         "whole balanced design, 10 rounds for five plans: each follows every other twice)")
+    parser.add_argument("--only", default=None, help="only the rows whose label contains this text")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     environment = measure.environment(torch.device("cuda"))
     rows = []
     for label, b, hq, hkv, nq, nk, d, causal, modes in SETS[args.set]:
+        if args.only and args.only not in label:
+            continue
         def rand(h, n):
             return torch.randn(b, h, n, d, device="cuda", generator=gen).bfloat16()
         q, k, v = rand(hq, nq), rand(hkv, nk), rand(hkv, nk)
