@@ -83,6 +83,8 @@ def main() -> None:
             best = max((n for n in tflops if n != "auto"), key=tflops.get)
             row = {"shape": label, "mode": mode, "tflops": {n: round(t, 1) for n, t in tflops.items()},
                    "fastest": best, "auto_vs_fastest": round(tflops["auto"] / tflops[best], 3),
+                   # each runner's median per round, in the order the rounds ran (measure.balanced_orders)
+                   "ms_by_round": {n: [round(t, 4) for t in ms] for n, ms in times.items()},
                    "auto_chose": [decision.forward.backend, decision.backward.backend if decision.backward else None],
                    "note": decision.forward.note,
                    "evidence": {c.backend: c.evidence for c in decision.forward.candidates if c.evidence}}

@@ -26,13 +26,14 @@ import torch
 
 import attnforge
 from attnforge.backends.cute_sm90 import backward
-from attnforge.backends.cute_sm90.bwd_variants import BWD, check
+from attnforge.backends.cute_sm90.bwd_variants import BWD, check, kernel_head_dim
 from attnforge.bench import impls, measure
 from attnforge.dispatch import costs
 from attnforge.runtime import cute
 from attnforge.testing import assert_close, oracle, peer_error
 
-# The table's tiles; add candidates beside them. (The issue orders of the consumer step and the dQ warp were
+# The table's tiles by kernel head dim (a head dim runs the kernel of kernel_head_dim(d)); add candidates beside
+# them. (The issue orders of the consumer step and the dQ warp were
 # compared this way: benchmarks/results/2026-12-01-h200-cute_sm90-bwd-order/.)
 CANDIDATES = {d: list(tiles) for d, tiles in BWD.items()}
 
@@ -94,7 +95,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     dims = [int(d) for d in args.head_dim.split(",")]
-    variants = {(d, causal): [backward.Sm90BwdVariant(t, d, "bf16", causal, det) for t in CANDIDATES[d]
+    variants = {(d, causal): [backward.Sm90BwdVariant(t, d, "bf16", causal, det)
+                              for t in CANDIDATES[kernel_head_dim(d)]
                               for det in (False, True)]
                 for d in dims for causal in (False, True)}
     for (d, _), vs in variants.items():

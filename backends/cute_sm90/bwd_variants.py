@@ -12,9 +12,19 @@ from __future__ import annotations
 import dataclasses
 
 from ...dispatch.variant import first_that_fits
-from .variants import REGISTERS_PER_SM, SMEM_BYTES
+from .variants import HEAD_DIMS_OF, REGISTERS_PER_SM, SMEM_BYTES
 
-HEAD_DIMS = (64, 128, 256)
+# The kernels' head dims (BWD's keys). Every other head dim the forward serves (multiples of 8 up to 256) runs the
+# kernel of the next one up: TMA fills the missing columns of Q, K, V and dO with zeros on load (they add 0 to
+# S^T = K Q^T and dP^T = V dO^T, and give dK, dV and dQ zero columns), and the stores of dK and dV and dQ's
+# reduce-add leave them out (HEAD_DIM and INPUT_HEAD_DIM in the template). No padded copy of any tensor is made.
+KERNEL_HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = HEAD_DIMS_OF["16bit"]
+# The padded kernels (an input head dim below its kernel's) compile for sm_90a with their SASS checked
+# (tests/backends/cute_sm90/test_compile.py) but have not run on a GPU: until their GPU tests pass they are not served.
+PADDED_SERVED = False
+PADDED_REASON = ("its backward for head dims other than 64, 128 and 256 (the next kernel's, with zero-filled columns) "
+                 "is compiled but not yet run on a GPU (backends/cute_sm90/bwd_variants.py, PADDED_SERVED)")
 # Automatic dispatch and this backward (a forced cute_sm90 always runs it). Where the arch's measured cost table
 # (dispatch/costs/<arch>.json) covers the pairing PLAN for the problem, it competes with the other measured plans.
 # Where the table measures the problem's class but not PLAN (it times cute_sm90's forward with triton_fa2's
@@ -82,9 +92,10 @@ class Sm90BwdTile:
         return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{'_sd' if self.split_head_dim else ''}"
 
     def params(self, head_dim: int) -> dict:
-        return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": head_dim}
+        return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": kernel_head_dim(head_dim)}
 
     def smem_bytes(self, head_dim: int) -> int:
+        """Shared memory of the kernel for the (kernel) ``head_dim``."""
         kv = 2 * self.tile_n * head_dim * 2  # K and V
         q_do = 2 * self.q_stages * self.tile_m * head_dim * 2  # Q and dO stages
         ds = 2 * self.tile_m * self.tile_n * 2 * (2 if self.split_head_dim else 1)  # two dS (and P^T) stages
@@ -109,11 +120,18 @@ class Sm90BwdTile:
                 f"{' splitting the head dim' if self.split_head_dim else ''}")
 
 
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim of the kernel that serves ``head_dim``: the first of KERNEL_HEAD_DIMS at least as large (the
+    largest where none is: check() then refuses)."""
+    return next((d for d in KERNEL_HEAD_DIMS if d >= head_dim), KERNEL_HEAD_DIMS[-1])
+
+
 def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
-    """The one validity check: reasons ``tile`` cannot serve ``head_dim`` (empty: it can)."""
-    reasons = []
+    """The one validity check: reasons ``tile`` cannot serve ``head_dim`` (empty: it can). The tile is checked at
+    the kernel's head dim (kernel_head_dim)."""
     if head_dim not in HEAD_DIMS:
-        reasons.append(f"head_dim {head_dim} has no cute_sm90 backward (has {', '.join(map(str, HEAD_DIMS))})")
+        return [f"head_dim {head_dim} has no cute_sm90 backward (has every multiple of 8 up to 256)"]
+    reasons, head_dim = [], kernel_head_dim(head_dim)
     if tile.split_head_dim:
         if tile.tile_n != 64 or tile.tile_m != 64:
             reasons.append(f"split_head_dim takes 64 x 64 tiles (two warpgroups on 64 keys), not "
@@ -158,18 +176,20 @@ BWD: dict[int, list[Sm90BwdTile]] = {
 def table_tile(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
     """The table's tile for a 16-bit ``head_dim``, served or not: the first that passes check(), or the reasons
     (the GPU tests and benchmarks/sweep_bwd_sm90.py run a kernel before it is served)."""
-    candidates = BWD.get(head_dim)
+    candidates = BWD.get(kernel_head_dim(head_dim)) if head_dim in HEAD_DIMS else None
     if not candidates:
-        return None, [f"head_dim {head_dim} has no cute_sm90 backward (has {', '.join(map(str, HEAD_DIMS))})"]
+        return None, [f"head_dim {head_dim} has no cute_sm90 backward (has every multiple of 8 up to 256)"]
     return first_that_fits(candidates, lambda tile: check(tile, head_dim))
 
 
 def pick(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
-    """The backward tile the planner serves for a 16-bit ``head_dim``: table_tile's, unless that tile is turned off
-    (SPLIT_HEAD_DIM_SERVED), or the reasons."""
+    """The backward tile the planner serves for a 16-bit ``head_dim``: table_tile's, unless that tile or padding is
+    turned off (SPLIT_HEAD_DIM_SERVED, PADDED_SERVED), or the reasons."""
     tile, reasons = table_tile(head_dim)
     if tile is not None and tile.split_head_dim and not SPLIT_HEAD_DIM_SERVED:
         return None, [SPLIT_HEAD_DIM_REASON]
+    if tile is not None and head_dim != kernel_head_dim(head_dim) and not PADDED_SERVED:
+        return None, [PADDED_REASON]
     return tile, reasons
 
 

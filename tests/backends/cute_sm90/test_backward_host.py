@@ -41,6 +41,22 @@ def test_the_table_passes_its_own_check():
         assert bwd_variants.pick(head_dim) == (tiles[0], [])
 
 
+def test_head_dims_run_the_next_kernel_up():
+    assert [bwd_variants.kernel_head_dim(d) for d in (8, 64, 72, 128, 136, 256)] == [64, 64, 128, 128, 256, 256]
+    for head_dim in bwd_variants.HEAD_DIMS:
+        tile, why = bwd_variants.table_tile(head_dim)
+        assert (tile, why) == (bwd_variants.BWD[bwd_variants.kernel_head_dim(head_dim)][0], [])
+        assert tile.params(head_dim)["head_dim_padded"] == bwd_variants.kernel_head_dim(head_dim) >= head_dim
+    for head_dim in (4, 100, 264):
+        assert bwd_variants.pick(head_dim) == (None, [f"head_dim {head_dim} has no cute_sm90 backward (has every "
+                                                      "multiple of 8 up to 256)"])
+
+
+def test_padding_turned_on_serves_every_head_dim(monkeypatch):
+    monkeypatch.setattr(bwd_variants, "PADDED_SERVED", True)
+    assert all(bwd_variants.pick(d) == bwd_variants.table_tile(d) for d in bwd_variants.HEAD_DIMS)
+
+
 def test_a_tile_turned_off_says_so(monkeypatch):
     monkeypatch.setattr(bwd_variants, "SPLIT_HEAD_DIM_SERVED", False)
     assert bwd_variants.table_tile(256) == (bwd_variants.BWD[256][0], [])
@@ -57,24 +73,25 @@ def test_the_head_dim_256_tile_fits_and_splits_the_head_dim():
 
 
 @pytest.mark.parametrize(("tile", "head_dim", "reason"), [
-    (bwd_variants.Sm90BwdTile(64), 96, "head_dim 96 has no cute_sm90 backward"),
+    (bwd_variants.Sm90BwdTile(64), 100, "head_dim 100 has no cute_sm90 backward"),
     (bwd_variants.Sm90BwdTile(64, tile_n=64), 128, "tile_n 64 != 128"),
     (bwd_variants.Sm90BwdTile(96), 128, "tile_m 96 is not 64 or 128"),
     (bwd_variants.Sm90BwdTile(64), 64, "splits dQ's 64 columns into 32"),
     (bwd_variants.Sm90BwdTile(128, q_stages=3), 128, "shared memory"),
     (bwd_variants.Sm90BwdTile(128), 128, "registers per consumer thread"),
     (bwd_variants.Sm90BwdTile(64, tile_n=128, split_head_dim=True), 256, "split_head_dim takes 64 x 64 tiles"),
-    (bwd_variants.Sm90BwdTile(64, tile_n=64, q_stages=1, split_head_dim=True), 96, "not a multiple of the 128-byte"),
+    (bwd_variants.Sm90BwdTile(64, tile_n=64, q_stages=1, split_head_dim=True), 64, "not a multiple of the 128-byte"),
+    (bwd_variants.Sm90BwdTile(64, tile_n=64, q_stages=1, split_head_dim=True), 40, "not a multiple of the 128-byte"),
 ])
 def test_check_names_what_does_not_fit(tile, head_dim, reason):
     assert any(reason in r for r in bwd_variants.check(tile, head_dim)), bwd_variants.check(tile, head_dim)
 
 
 @pytest.mark.parametrize(("kw", "reason"), [
-    (dict(head_dim=96), "head_dim 96 has no cute_sm90 backward (has 64, 128, 256)"),
+    (dict(head_dim=96), bwd_variants.PADDED_REASON),
     (dict(head_dim=256, softcap=30.0), bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON),
     (dict(head_dim=256, window_size=(100, 0)), bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON),
-    (dict(head_dim=80), "head_dim 80 has no cute_sm90 backward (has 64, 128, 256)"),
+    (dict(head_dim=80), bwd_variants.PADDED_REASON),
 ])
 def test_a_forced_backend_says_why_its_backward_cannot_serve(kw, reason):
     """Forcing cute_sm90 for training where its backward does not serve: the next backward runs, and says why."""

@@ -247,14 +247,32 @@ def test_varlen_backward_compiles_with_tma_loads_reduce_add_and_its_gemms_unseri
     backward_sass(tmp_path, variant, VARLEN_BWD_SPILL_BYTES.get(variant.head_dim, 0))
 
 
+# Backwards of head dims below their kernel's (bwd_variants.kernel_head_dim: the smallest there is, 8, and model head
+# dims 80 and 192 on the 64, 128 and 256 kernels), built whether served or not (bwd_variants.PADDED_SERVED)
+PADDED_BWD = [Sm90BwdVariant(bwd_variants.table_tile(d)[0], d, dtype, causal) for d in (8, 80, 192)
+              for dtype, causal in (("bf16", True), ("fp16", False))]
+# measured here (stack bytes, by kernel head dim): on the 64 kernel, d=8 and d=40 keep 8-16 (8 at d=64: the column
+# predicate of dK's and dV's stores adds a little); 80 and 96 on the 128 kernel and 192 on the 256 kernel none
+PADDED_BWD_SPILL_BYTES = {64: 16}
 # the one-warpgroup-per-64-keys backwards here; the head-dim-256 (split_head_dim) ones below
-UNSPLIT_BWD = [v for v in BWD_VARIANTS + DETERMINISTIC if not v.tile.split_head_dim]
+UNSPLIT_BWD = [v for v in BWD_VARIANTS + DETERMINISTIC + PADDED_BWD if not v.tile.split_head_dim]
+
+
+def test_padded_backwards_run_the_next_kernel_and_wait_for_a_gpu():
+    assert [bwd_variants.kernel_head_dim(v.head_dim) for v in PADDED_BWD[::2]] == [64, 128, 256]
+    for v in PADDED_BWD:
+        params = v.tile.params(v.head_dim)
+        assert (params["head_dim"], params["head_dim_padded"]) == (v.head_dim, bwd_variants.kernel_head_dim(v.head_dim))
+        assert bwd_variants.pick(v.head_dim) == (None, [bwd_variants.PADDED_REASON]) != bwd_variants.PADDED_SERVED
+    assert all(bwd_variants.kernel_head_dim(d) == d for d in bwd_variants.KERNEL_HEAD_DIMS)
+    assert not any(d % 8 for d in SERVED_BWD_HEAD_DIMS)
 
 
 @pytest.mark.parametrize("variant", UNSPLIT_BWD, ids=[v.name for v in UNSPLIT_BWD])
 def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_path, variant):
-    tile, head_dim = variant.tile, variant.head_dim
-    sass = backward_sass(tmp_path, variant, 0)  # (the table's accepted spill only)
+    tile, head_dim = variant.tile, bwd_variants.kernel_head_dim(variant.head_dim)  # the WGMMAs' head dim
+    padded = head_dim != variant.head_dim
+    sass = backward_sass(tmp_path, variant, PADDED_BWD_SPILL_BYTES.get(head_dim, 0) if padded else 0)
     element = r"\.BF16" if variant.dtype == "bf16" else ""  # cuobjdump leaves F16 (the default) unsaid
     # S^T = K Q^T and dP^T = V dO^T: 64 keys per warpgroup by tile_m queries, both operands from shared memory
     assert re.search(rf"HGMMA\.64x{tile.tile_m}x16\.F32{element} R\d+, gdesc\[UR\d+\], RZ, !UPT", sass)
@@ -269,13 +287,13 @@ def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_p
 
 
 # The head-dim-256 backward (split_head_dim), both dtypes and causalities, with its deterministic form
-SPLIT_BWD = [v for v in BWD_VARIANTS + DETERMINISTIC if v.tile.split_head_dim]
+SPLIT_BWD = [v for v in BWD_VARIANTS + DETERMINISTIC + PADDED_BWD if v.tile.split_head_dim]
 
 
 def test_the_head_dim_256_backward_is_served_without_feature_forms():
     tile = bwd_variants.BWD[256][0]
     assert tile.split_head_dim and bwd_variants.SPLIT_HEAD_DIM_SERVED and 256 in SERVED_BWD_HEAD_DIMS
-    assert len(SPLIT_BWD) == 6  # fp16 and bf16, causal and not, and bf16's deterministic pair
+    assert len([v for v in SPLIT_BWD if v.head_dim == 256]) == 6  # fp16 and bf16, causal and not; bf16 deterministic
     assert bwd_variants.pick(256) == (tile, [])
     # the feature lists below (what `build --features` adds) leave it out: its feature forms were never compiled
     assert not any(v.head_dim == 256 for v in WINDOW_BWD + FEATURE_BWD)
@@ -290,7 +308,7 @@ def test_head_dim_256_backward_splits_the_head_dim_between_its_warpgroups(tmp_pa
     tile = variant.tile
     sass = backward_sass(tmp_path, variant, 0)
     element = r"\.BF16" if variant.dtype == "bf16" else ""
-    half = variant.head_dim // 2
+    half = bwd_variants.kernel_head_dim(variant.head_dim) // 2  # the WGMMAs' head dim, split
     # S^T = K Q^T and dP^T = V dO^T: 64 keys by half the query block per warpgroup, both operands from shared memory
     assert re.search(rf"HGMMA\.64x{tile.tile_m // 2}x16\.F32{element} R\d+, gdesc\[UR\d+\], RZ, !UPT", sass)
     # dV += P^T dO and dK += dS^T Q: P^T and dS^T from shared memory (no register A operand), dO and Q read
