@@ -230,12 +230,9 @@ class CuteSm90Backend(Backend):
                     for kinds in sorted({frozenset(kinds & kernel_kinds) for kinds in features
                                          if kinds & kernel_kinds and ("varlen" not in kinds or bwd_variants.PACKED)},
                                         key=sorted):
-                        flags = {"windowed": "window" in kinds, "varlen": "varlen" in kinds,
-                                 "softcap": "softcap" in kinds, "alibi": "alibi" in kinds}
+                        flags = {kind: kind in kinds for kind in ("window", "varlen", "softcap", "alibi")}
                         if not bwd_variants.feature_reasons(back, **flags):
-                            out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, False, flags["windowed"],
-                                                       flags["varlen"], flags["softcap"], flags["alibi"])
-                                    for flag in causal]
+                            out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, False, **flags) for flag in causal]
         return out
 
     def builds(self, variant: Sm90Variant | bwd.Sm90BwdVariant) -> list:

@@ -126,11 +126,15 @@ def kernel_head_dim(head_dim: int) -> int:
     return next((d for d in KERNEL_HEAD_DIMS if d >= head_dim), KERNEL_HEAD_DIMS[-1])
 
 
+def _no_backward(head_dim: int) -> str:
+    return f"head_dim {head_dim} has no cute_sm90 backward (has every multiple of 8 up to 256)"
+
+
 def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
     """The one validity check: reasons ``tile`` cannot serve ``head_dim`` (empty: it can). The tile is checked at
     the kernel's head dim (kernel_head_dim)."""
     if head_dim not in HEAD_DIMS:
-        return [f"head_dim {head_dim} has no cute_sm90 backward (has every multiple of 8 up to 256)"]
+        return [_no_backward(head_dim)]
     reasons, head_dim = [], kernel_head_dim(head_dim)
     if tile.split_head_dim:
         if tile.tile_n != 64 or tile.tile_m != 64:
@@ -178,7 +182,7 @@ def table_tile(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
     (the GPU tests and benchmarks/sweep_bwd_sm90.py run a kernel before it is served)."""
     candidates = BWD.get(kernel_head_dim(head_dim)) if head_dim in HEAD_DIMS else None
     if not candidates:
-        return None, [f"head_dim {head_dim} has no cute_sm90 backward (has every multiple of 8 up to 256)"]
+        return None, [_no_backward(head_dim)]
     return first_that_fits(candidates, lambda tile: check(tile, head_dim))
 
 
@@ -193,7 +197,7 @@ def pick(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
     return tile, reasons
 
 
-def feature_reasons(tile: Sm90BwdTile, windowed: bool, varlen: bool, softcap: bool, alibi: bool) -> list[str]:
-    """Why ``tile`` cannot serve a backward with these features: empty unless it is the head-dim-256 tile, which is
-    served only in its dense, plain form."""
-    return [SPLIT_HEAD_DIM_FEATURES_REASON] if tile.split_head_dim and (windowed or varlen or softcap or alibi) else []
+def feature_reasons(tile: Sm90BwdTile, window: bool, varlen: bool, softcap: bool, alibi: bool) -> list[str]:
+    """Why ``tile`` cannot serve a backward with these features (Sm90BwdVariant's flags): empty unless it is the
+    head-dim-256 tile, which is served only in its dense, plain form."""
+    return [SPLIT_HEAD_DIM_FEATURES_REASON] if tile.split_head_dim and (window or varlen or softcap or alibi) else []

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
 
 
-# the backward's head dims the planner serves (bwd_variants: 256 compiled here, not served until run on a GPU)
+# the backward's head dims the planner serves (bwd_variants.pick: not the padded ones until PADDED_SERVED)
 SERVED_BWD_HEAD_DIMS = [d for d in bwd_variants.HEAD_DIMS if bwd_variants.pick(d)[0] is not None]
 # the served head dims whose backward also has WINDOW, SOFTCAP, ALIBI and VARLEN forms (bwd_variants.feature_reasons)
 FEATURE_BWD_HEAD_DIMS = [d for d in SERVED_BWD_HEAD_DIMS if not bwd_variants.pick(d)[0].split_head_dim]
@@ -259,11 +259,12 @@ UNSPLIT_BWD = [v for v in BWD_VARIANTS + DETERMINISTIC + PADDED_BWD if not v.til
 
 
 def test_padded_backwards_run_the_next_kernel_and_wait_for_a_gpu():
+    assert not bwd_variants.PADDED_SERVED
     assert [bwd_variants.kernel_head_dim(v.head_dim) for v in PADDED_BWD[::2]] == [64, 128, 256]
     for v in PADDED_BWD:
         params = v.tile.params(v.head_dim)
         assert (params["head_dim"], params["head_dim_padded"]) == (v.head_dim, bwd_variants.kernel_head_dim(v.head_dim))
-        assert bwd_variants.pick(v.head_dim) == (None, [bwd_variants.PADDED_REASON]) != bwd_variants.PADDED_SERVED
+        assert bwd_variants.pick(v.head_dim) == (None, [bwd_variants.PADDED_REASON])
     assert all(bwd_variants.kernel_head_dim(d) == d for d in bwd_variants.KERNEL_HEAD_DIMS)
     assert not any(d % 8 for d in SERVED_BWD_HEAD_DIMS)
 
@@ -297,9 +298,9 @@ def test_the_head_dim_256_backward_is_served_without_feature_forms():
     assert bwd_variants.pick(256) == (tile, [])
     # the feature lists below (what `build --features` adds) leave it out: its feature forms were never compiled
     assert not any(v.head_dim == 256 for v in WINDOW_BWD + FEATURE_BWD)
-    assert bwd_variants.feature_reasons(tile, windowed=False, varlen=False, softcap=False, alibi=False) == []
-    for flag in ("windowed", "varlen", "softcap", "alibi"):
-        flags = dict.fromkeys(("windowed", "varlen", "softcap", "alibi"), False) | {flag: True}
+    assert bwd_variants.feature_reasons(tile, window=False, varlen=False, softcap=False, alibi=False) == []
+    for flag in ("window", "varlen", "softcap", "alibi"):
+        flags = dict.fromkeys(("window", "varlen", "softcap", "alibi"), False) | {flag: True}
         assert bwd_variants.feature_reasons(tile, **flags) == [bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON]
 
 

@@ -22,7 +22,7 @@ def test_hopper_chooses_cute_sm90_and_says_which_backward_follows(device, dtype,
     tile, why = bwd_variants.pick(head_dim)
     if tile is not None:  # its own backward follows (no table here: the preference order)
         assert d.backward.backend == "cute_sm90" and d.backward.variant == Sm90BwdVariant(tile, head_dim, dtype, True)
-    else:  # head dims without a backward tile (96)
+    else:  # head dims whose backward is not served (96: the padded kernel, bwd_variants.PADDED_SERVED)
         assert d.backward.backend == "triton_fa2" and d.backward.variant.family == "bwd"
         assert d.backward.reasons_of("cute_sm90") == tuple(why)
 
