@@ -21,10 +21,13 @@ from .variants import HEAD_DIMS_OF, REGISTERS_PER_SM, SMEM_BYTES
 KERNEL_HEAD_DIMS = (64, 128, 256)
 HEAD_DIMS = HEAD_DIMS_OF["16bit"]
 # The padded kernels (an input head dim below its kernel's) compile for sm_90a with their SASS checked
-# (tests/backends/cute_sm90/test_compile.py) but have not run on a GPU: until their GPU tests pass they are not served.
-PADDED_SERVED = False
+# (tests/backends/cute_sm90/test_compile.py). On the H200 (2026-12-04) their GPU tests passed
+# (tests/backends/cute_sm90/test_gpu_backward.py at d=8, 40, 80, 96 and 192: 190, fp16 and bf16, causal and not,
+# deterministic, large scores; test_gpu_features.py's forced window, softcap and ALiBi backwards at d=80: 10;
+# test_gpu_varlen.py's packed backward at d=96), so they are served. PADDED_SERVED = False turns them off.
+PADDED_SERVED = True
 PADDED_REASON = ("its backward for head dims other than 64, 128 and 256 (the next kernel's, with zero-filled columns) "
-                 "is compiled but not yet run on a GPU (backends/cute_sm90/bwd_variants.py, PADDED_SERVED)")
+                 "is turned off (backends/cute_sm90/bwd_variants.py, PADDED_SERVED)")
 # Automatic dispatch and this backward (a forced cute_sm90 always runs it). Where the arch's measured cost table
 # (dispatch/costs/<arch>.json) covers the pairing PLAN for the problem, it competes with the other measured plans.
 # Where the table measures the problem's class but not PLAN (it times cute_sm90's forward with triton_fa2's

@@ -148,9 +148,9 @@ def test_the_tuner_writes_a_table_the_dispatcher_reads():
 
 @pytest.mark.cost_tables
 def test_the_shipped_h200_table_routes_by_its_measurements():
-    """What dispatch/costs/sm90.json measured on the H200: cuDNN's pair trains fastest at d=256 and at 32 x 512,
-    cute_sm90 serves long forwards (d=96 and d=192 from 4k tokens too), sdpa serves 512-token d=96 calls and
-    decode."""
+    """What dispatch/costs/sm90.json measured on the H200: cuDNN's pair trains fastest at d=256, d=192 and at
+    32 x 512, cute_sm90's pair at d=80 (its padded backward), cute_sm90 serves long forwards (d=96 and d=192 from
+    4k tokens too), sdpa serves 512-token d=96 calls and decode."""
     if costs.table("sm90") is None:
         pytest.skip("no sm90 cost table in this build")
     d = explain(device="H200", head_dim=256, seqlen_q=8192, batch=2, heads=8, needs_grad=True)
@@ -161,6 +161,8 @@ def test_the_shipped_h200_table_routes_by_its_measurements():
     assert explain(device="H200", head_dim=192, seqlen_q=4096, batch=4, heads=10).forward.backend == "cute_sm90"
     assert explain(device="H200", head_dim=96, seqlen_q=512, batch=32, heads=21).forward.backend == "sdpa"
     train = explain(device="H200", head_dim=80, seqlen_q=4096, batch=4, heads=25, needs_grad=True)
+    assert (train.forward.backend, train.backward.backend) == ("cute_sm90", "cute_sm90")
+    train = explain(device="H200", head_dim=192, seqlen_q=4096, batch=4, heads=10, causal=True, needs_grad=True)
     assert (train.forward.backend, train.backward.backend) == ("sdpa", "sdpa")
     decode = explain(device="H200", seqlen_q=1, seqlen_k=8192, batch=64, heads=32, kv_heads=8, causal=False)
     assert decode.forward.backend == "sdpa"
@@ -239,9 +241,12 @@ def test_the_grid_takes_a_tokens_budget():
 
 
 @pytest.mark.cost_tables  # (the shipped table as the second case below, not the suite's None)
-def test_a_plan_with_the_last_resort_backward_ranks_after_a_fast_pair():
-    """cute_sm90 serves d=80 forwards, and only the reference could follow it backward (triton_fa2 has no d=80):
-    training goes to the sdpa pair, with or without a table."""
+def test_a_plan_with_the_last_resort_backward_ranks_after_a_fast_pair(monkeypatch):
+    """cute_sm90 serves d=80 forwards; with its padded backward turned off only the reference could follow it
+    backward (triton_fa2 has no d=80): training goes to the sdpa pair, with or without a table."""
+    from attnforge.backends.cute_sm90 import bwd_variants
+
+    monkeypatch.setattr(bwd_variants, "PADDED_SERVED", False)
     with_grad = dict(device="H200", dtype="bf16", head_dim=80, seqlen_q=4096, batch=4, heads=25, needs_grad=True)
     for table in (None, costs.table("sm90")):
         with mock.patch.object(costs, "table", lambda arch, t=table: t):
@@ -251,6 +256,7 @@ def test_a_plan_with_the_last_resort_backward_ranks_after_a_fast_pair():
     select.decide.cache_clear()
     forced = explain(**with_grad, backend="cute_sm90")
     assert (forced.forward.backend, forced.backward.backend) == ("cute_sm90", "reference")
+    select.clear_caches()  # decisions made with the padded backward off
 
 
 @pytest.mark.cost_tables

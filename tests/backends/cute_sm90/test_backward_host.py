@@ -52,9 +52,11 @@ def test_head_dims_run_the_next_kernel_up():
                                                       "multiple of 8 up to 256)"])
 
 
-def test_padding_turned_on_serves_every_head_dim(monkeypatch):
-    monkeypatch.setattr(bwd_variants, "PADDED_SERVED", True)
+def test_padding_serves_every_head_dim_and_turned_off_says_so(monkeypatch):
     assert all(bwd_variants.pick(d) == bwd_variants.table_tile(d) for d in bwd_variants.HEAD_DIMS)
+    monkeypatch.setattr(bwd_variants, "PADDED_SERVED", False)
+    assert bwd_variants.pick(80) == (None, [bwd_variants.PADDED_REASON])
+    assert bwd_variants.pick(128) == bwd_variants.table_tile(128)
 
 
 def test_a_tile_turned_off_says_so(monkeypatch):
@@ -88,16 +90,26 @@ def test_check_names_what_does_not_fit(tile, head_dim, reason):
 
 
 @pytest.mark.parametrize(("kw", "reason"), [
-    (dict(head_dim=96), bwd_variants.PADDED_REASON),
     (dict(head_dim=256, softcap=30.0), bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON),
     (dict(head_dim=256, window_size=(100, 0)), bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON),
-    (dict(head_dim=80), bwd_variants.PADDED_REASON),
+    (dict(head_dim=192, alibi=True), bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON),  # 192 runs the 256 kernel
 ])
 def test_a_forced_backend_says_why_its_backward_cannot_serve(kw, reason):
     """Forcing cute_sm90 for training where its backward does not serve: the next backward runs, and says why."""
     d = explain(device="H100", dtype="bf16", seqlen_q=512, needs_grad=True, backend="cute_sm90", **kw)
     assert d.forward.backend == "cute_sm90" and d.backward.backend not in (None, "cute_sm90")
     assert any(reason in r for r in d.backward.reasons_of("cute_sm90")), d.backward.reasons_of("cute_sm90")
+
+
+@pytest.mark.parametrize("head_dim", (8, 80, 96, 192))
+def test_a_head_dim_between_kernels_runs_the_next_kernel_up(head_dim):
+    """Padded backward (bwd_variants.PADDED_SERVED): forced training at a model head dim runs cute_sm90's own
+    backward, the kernel of bwd_variants.kernel_head_dim with the head dim as given."""
+    d = explain(device="H100", dtype="bf16", head_dim=head_dim, seqlen_q=512, needs_grad=True, backend="cute_sm90")
+    assert d.backward.backend == "cute_sm90", d
+    variant = d.backward.variant
+    params = variant.tile.params(variant.head_dim)
+    assert (params["head_dim"], params["head_dim_padded"]) == (head_dim, bwd_variants.kernel_head_dim(head_dim))
 
 
 def test_a_forced_training_call_shows_its_backward_in_the_decision():

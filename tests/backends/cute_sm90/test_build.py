@@ -93,17 +93,22 @@ def test_prebuilt_kernel_is_loaded_not_compiled(tmp_path):
 
 @needs_cute
 def test_build_jobs_compiles_in_worker_processes_into_one_cache(tmp_path):
-    """--jobs 2: the kernels of two head dims (one padded by TMA's zero fill) compiled by two workers, one entry
-    each, and a second run finds every one cached."""
+    """--jobs 2: the kernels of two head dims (both padded by TMA's zero fill), forward and backward, compiled by
+    two workers, one entry each, beside the Triton row and dQ kernels of their backward kernels' head dims (64 and
+    128); a second run finds every one cached."""
     env = dict(os.environ, ATTNFORGE_CACHE_DIR=str(tmp_path))
     args = [sys.executable, "-m", "attnforge", "build", "--target", "sm90", "--backend", "cute_sm90", "--dtype", "bf16",
             "--head-dim", "40,96", "--causal", "false", "--jobs", "2"]
     built = subprocess.run(args, env=env, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
-    assert built.stderr.count("built in") == 2 and "fwd_16bit_d40_" in built.stderr and "fwd_16bit_d96_" in built.stderr
-    assert len(list((tmp_path / "cute_sm90").glob("*.o"))) == 2
+    cute_kernels = [f"{kind}_16bit_d{d}_" for kind in ("fwd", "bwd") for d in (40, 96)]
+    assert all(name in built.stderr for name in cute_kernels), built.stderr
+    assert all(f"bwd_rows_kernel.{name}.sm90.bf16.d{d}." in built.stderr
+               for name in ("row_statistics", "scale_dq") for d in (64, 128)), built.stderr
+    assert built.stderr.count("built in") == 8
+    assert len(list((tmp_path / "cute_sm90").glob("*.o"))) == 4
     again = subprocess.run(args, env=env, capture_output=True, text=True)
-    assert again.returncode == 0 and again.stderr.count(": cached") == 2, again.stderr
+    assert again.returncode == 0 and again.stderr.count(": cached") == 8, again.stderr
 
 
 RUN_PREBUILT = REFUSE + """

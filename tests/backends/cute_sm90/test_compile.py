@@ -24,15 +24,21 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
 
 
-# the backward's head dims the planner serves (bwd_variants.pick: not the padded ones until PADDED_SERVED)
+# the backward's head dims the planner serves (bwd_variants.pick: every multiple of 8 up to 256)
 SERVED_BWD_HEAD_DIMS = [d for d in bwd_variants.HEAD_DIMS if bwd_variants.pick(d)[0] is not None]
-# the served head dims whose backward also has WINDOW, SOFTCAP, ALIBI and VARLEN forms (bwd_variants.feature_reasons)
-FEATURE_BWD_HEAD_DIMS = [d for d in SERVED_BWD_HEAD_DIMS if not bwd_variants.pick(d)[0].split_head_dim]
+# the backward kernels' own head dims, compiled here in every form; a head dim between them runs the next kernel up
+# with zero-filled columns (bwd_variants.kernel_head_dim), the same code with another column bound, compiled here on
+# a sample (PADDED_BWD below) rather than all 29
+KERNEL_BWD_HEAD_DIMS = [d for d in SERVED_BWD_HEAD_DIMS if bwd_variants.kernel_head_dim(d) == d]
+# the kernels whose backward also has WINDOW, SOFTCAP, ALIBI and VARLEN forms (bwd_variants.feature_reasons)
+FEATURE_BWD_HEAD_DIMS = [d for d in KERNEL_BWD_HEAD_DIMS if not bwd_variants.pick(d)[0].split_head_dim]
 ALL = registered()["cute_sm90"].variants()  # every variant the planner can pick: what `attnforge build` compiles
 VARIANTS = [v for v in ALL if isinstance(v, Sm90Variant)]
 BWD_VARIANTS = [v for v in ALL if isinstance(v, Sm90BwdVariant)]
+KERNEL_BWD = [v for v in BWD_VARIANTS if v.head_dim in KERNEL_BWD_HEAD_DIMS]
 # deterministic=True's kernels (`attnforge build --deterministic`), in one dtype
-DETERMINISTIC = [v for v in registered()["cute_sm90"].variants(dtypes=("bf16",), deterministic=True)
+DETERMINISTIC = [v for v in registered()["cute_sm90"].variants(dtypes=("bf16",), head_dims=KERNEL_BWD_HEAD_DIMS,
+                                                                deterministic=True)
                  if isinstance(v, Sm90BwdVariant) and v.deterministic]
 
 
@@ -201,7 +207,8 @@ def backward_sass(tmp_path, variant, spill_bytes: int) -> str:
 
 
 # `attnforge build --features window`: the backward's WINDOW kernels, bf16, both head dims and causalities
-WINDOW_BWD = [v for v in registered()["cute_sm90"].variants(dtypes=("bf16",), features=(frozenset({"window"}),))
+WINDOW_BWD = [v for v in registered()["cute_sm90"].variants(dtypes=("bf16",), head_dims=FEATURE_BWD_HEAD_DIMS,
+                                                             features=(frozenset({"window"}),))
               if isinstance(v, Sm90BwdVariant) and v.window]
 # d=64's backward tile spills a little more with the window's bounds (measured here: 40 stack bytes, 8 without)
 WINDOW_BWD_SPILL_BYTES = {64: 40}
@@ -215,7 +222,7 @@ def test_window_backward_compiles_with_its_gemms_unserialized(tmp_path, variant)
 
 # `attnforge build --features softcap,alibi,window+softcap+alibi`: the backward's SOFTCAP and ALIBI kernels, bf16
 FEATURE_BWD = [v for v in registered()["cute_sm90"].variants(
-    dtypes=("bf16",), features=(frozenset({"softcap"}), frozenset({"alibi"}), frozenset({"window", "softcap", "alibi"})))
+    dtypes=("bf16",), head_dims=FEATURE_BWD_HEAD_DIMS, features=(frozenset({"softcap"}), frozenset({"alibi"}), frozenset({"window", "softcap", "alibi"})))
     if isinstance(v, Sm90BwdVariant) and (v.softcap or v.alibi)]
 # measured here (stack bytes, causal/full): d=128 softcap 0/8, alibi 0/16, all three 128 (with VARLEN); d=64
 # softcap 72/80, alibi 40, window+softcap+alibi 344 (the 128-row query block leaves no registers for the tanh
@@ -248,23 +255,23 @@ def test_varlen_backward_compiles_with_tma_loads_reduce_add_and_its_gemms_unseri
 
 
 # Backwards of head dims below their kernel's (bwd_variants.kernel_head_dim: the smallest there is, 8, and model head
-# dims 80 and 192 on the 64, 128 and 256 kernels), built whether served or not (bwd_variants.PADDED_SERVED)
+# dims 80 and 192 on the 64, 128 and 256 kernels), served where bwd_variants.PADDED_SERVED
 PADDED_BWD = [Sm90BwdVariant(bwd_variants.table_tile(d)[0], d, dtype, causal) for d in (8, 80, 192)
               for dtype, causal in (("bf16", True), ("fp16", False))]
 # measured here (stack bytes, by kernel head dim): on the 64 kernel, d=8 and d=40 keep 8-16 (8 at d=64: the column
 # predicate of dK's and dV's stores adds a little); 80 and 96 on the 128 kernel and 192 on the 256 kernel none
 PADDED_BWD_SPILL_BYTES = {64: 16}
 # the one-warpgroup-per-64-keys backwards here; the head-dim-256 (split_head_dim) ones below
-UNSPLIT_BWD = [v for v in BWD_VARIANTS + DETERMINISTIC + PADDED_BWD if not v.tile.split_head_dim]
+UNSPLIT_BWD = [v for v in KERNEL_BWD + DETERMINISTIC + PADDED_BWD if not v.tile.split_head_dim]
 
 
-def test_padded_backwards_run_the_next_kernel_and_wait_for_a_gpu():
-    assert not bwd_variants.PADDED_SERVED
+def test_padded_backwards_run_the_next_kernel_and_are_served():
+    assert bwd_variants.PADDED_SERVED
     assert [bwd_variants.kernel_head_dim(v.head_dim) for v in PADDED_BWD[::2]] == [64, 128, 256]
     for v in PADDED_BWD:
         params = v.tile.params(v.head_dim)
         assert (params["head_dim"], params["head_dim_padded"]) == (v.head_dim, bwd_variants.kernel_head_dim(v.head_dim))
-        assert bwd_variants.pick(v.head_dim) == (None, [bwd_variants.PADDED_REASON])
+        assert bwd_variants.pick(v.head_dim) == bwd_variants.table_tile(v.head_dim)
     assert all(bwd_variants.kernel_head_dim(d) == d for d in bwd_variants.KERNEL_HEAD_DIMS)
     assert not any(d % 8 for d in SERVED_BWD_HEAD_DIMS)
 
@@ -288,7 +295,7 @@ def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_p
 
 
 # The head-dim-256 backward (split_head_dim), both dtypes and causalities, with its deterministic form
-SPLIT_BWD = [v for v in BWD_VARIANTS + DETERMINISTIC + PADDED_BWD if v.tile.split_head_dim]
+SPLIT_BWD = [v for v in KERNEL_BWD + DETERMINISTIC + PADDED_BWD if v.tile.split_head_dim]
 
 
 def test_the_head_dim_256_backward_is_served_without_feature_forms():

@@ -5,6 +5,7 @@ import torch
 
 from attnforge import BackendUnavailableError, attention, explain, use_backend
 from attnforge.backends.cute_sm90 import bwd_variants, variants
+from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90.backend import Sm90Variant
 from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
 
@@ -22,13 +23,17 @@ def test_hopper_chooses_cute_sm90_and_says_which_backward_follows(device, dtype,
     tile, why = bwd_variants.pick(head_dim)
     if tile is not None:  # its own backward follows (no table here: the preference order)
         assert d.backward.backend == "cute_sm90" and d.backward.variant == Sm90BwdVariant(tile, head_dim, dtype, True)
-    else:  # head dims whose backward is not served (96: the padded kernel, bwd_variants.PADDED_SERVED)
+    else:  # head dims whose backward is turned off (bwd_variants.PADDED_SERVED, SPLIT_HEAD_DIM_SERVED)
         assert d.backward.backend == "triton_fa2" and d.backward.variant.family == "bwd"
         assert d.backward.reasons_of("cute_sm90") == tuple(why)
 
 
-@pytest.mark.parametrize("dtype", ("fp16", "bf16", "fp8"))
-@pytest.mark.parametrize("head_dim", [d for d in bwd_variants.HEAD_DIMS if bwd_variants.pick(d)[0] is not None])
+# every head dim the backward serves in 16 bits; FP8's at the head dims its forward serves
+FORCED_BACKWARD_CASES = [(dtype, d) for d in bwd_variants.HEAD_DIMS if bwd_variants.pick(d)[0] is not None
+                         for dtype in ("fp16", "bf16", "fp8") if d in variants.HEAD_DIMS_OF[cc.KIND[dtype]]]
+
+
+@pytest.mark.parametrize("dtype, head_dim", FORCED_BACKWARD_CASES, ids=str)
 @pytest.mark.parametrize("causal", (False, True))
 def test_forced_cute_sm90_runs_its_own_backward(dtype, head_dim, causal):
     """Forcing cute_sm90 takes its backward where the table has one; FP8's runs in bf16 on the dequantised inputs."""
@@ -56,13 +61,15 @@ def test_fallbacks_say_why(kw, reason):
 
 
 @pytest.mark.parametrize("head_dim", (40, 80, 112, 160))
-def test_head_dims_triton_fa2_has_no_backward_for_train_through_sdpa(head_dim):
-    """cute_sm90 serves the forward; the backward has to follow it or pair with its own forward, and with
-    triton_fa2 lacking the head dim only the sdpa pair is left."""
+def test_head_dims_triton_fa2_lacks_train_on_cute_sm90s_padded_backward(head_dim):
+    """cute_sm90 serves the forward, and its backward follows it at head dims triton_fa2 does not have: the next
+    kernel up with zero-filled columns (bwd_variants.kernel_head_dim). No cost table here: the preference order
+    decides."""
     d = explain(device="H200", dtype="bf16", head_dim=head_dim, seqlen_q=4096, causal=True)
     assert d.forward.backend == "cute_sm90"
     d = explain(device="H200", dtype="bf16", head_dim=head_dim, seqlen_q=4096, causal=True, needs_grad=True)
-    assert (d.forward.backend, d.backward.backend) == ("sdpa", "sdpa"), d
+    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "cute_sm90"), d
+    assert d.backward.variant.tile.params(head_dim)["head_dim_padded"] == bwd_variants.kernel_head_dim(head_dim)
 
 
 def test_forcing_it_where_it_cannot_serve_raises_with_reasons():

@@ -3,7 +3,8 @@ fp64 math, outputs poisoned (NaN) before the call so an element no CTA writes sh
 with and without causal, Nq != Nk both ways (rows that see no key: 0 out, LSE -inf, or with sinks LSE = the sink),
 GQA, odd lengths; the softcap alone and with a window; sinks alone and with both; ALiBi (per head and per batch and
 head) alone and with all three; automatic dispatch's training (this forward and cute_sm90's backward, from this
-forward's LSE) on one case per feature; the backward forced, with windows, softcap and ALiBi at d=64 and 128."""
+forward's LSE) on one case per feature; the backward forced, with windows, softcap and ALiBi at d=64 and 128, and at
+d=80 (the 128 kernel with zero-filled columns)."""
 
 import math
 
@@ -107,6 +108,10 @@ def test_automatic_training_runs_cute_sm90s_forward_and_backward(case, gen, pois
         assert_close("dsinks", grads[3], want, want.float(), ulps=ulps * math.sqrt(2 * nq))
 
 
+# the backward kernels' own head dims (bwd_variants.KERNEL_HEAD_DIMS: the 256 kernel has no feature forms), and 80 on
+# the 128 kernel with zero-filled columns (bwd_variants.kernel_head_dim)
+FEATURE_BACKWARD_HEAD_DIMS = [64, 128, 80]
+
 # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, causal, window, with sinks): cute_sm90's WINDOW backward
 WINDOW_BACKWARD = [
     (2, 4, 2, 1023, 1023, True, (255, -1), False),   # Mistral's
@@ -116,7 +121,7 @@ WINDOW_BACKWARD = [
 ]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", FEATURE_BACKWARD_HEAD_DIMS)
 @pytest.mark.parametrize("case", WINDOW_BACKWARD, ids=str)
 def test_forced_window_backward_matches_fp64(case, head_dim, gen, poisoned_empty):
     b, hq, hkv, nq, nk, causal, window, with_sinks = case
@@ -134,7 +139,7 @@ FEATURE_BACKWARD = [
 ]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", FEATURE_BACKWARD_HEAD_DIMS)
 @pytest.mark.parametrize("case", FEATURE_BACKWARD, ids=str)
 def test_forced_softcap_and_alibi_backward_matches_fp64(case, head_dim, gen, poisoned_empty):
     check_forced_backward(case, head_dim, gen)

@@ -3,7 +3,8 @@ math per sequence, outputs NaN-filled before the call (poisoned_empty) so a row 
 (0, 1, 17, 64, 113, 128, 1023, 4099) with Nq != Nk per sequence, so tiles end mid-warpgroup (register stores) and on
 a warpgroup's edge (TMA stores), sequences with queries and no keys, GQA, causal, windows, softcap, sinks and ALiBi,
 every tile family of the table (d=8 with its padded head dim); the backward from this forward's output and LSE on the
-plain cases: cute_sm90's packed backward at head dims 64 and 128, served here whatever bwd_variants.PACKED says
+plain cases: cute_sm90's packed backward where its table serves the head dim, served here whatever
+bwd_variants.PACKED says
 (sequences with keys and no queries included: their dK and dV are zeros it must write; sequences starting at rows
 that are not a multiple of four: the LSE's padded rows), triton_fa2's VARLEN one at the others; and cute_sm90's
 packed backward with sliding windows."""
@@ -47,6 +48,14 @@ def packed(gen, heads, heads_kv, d, dtype):
     return q, k, v, cu_q, cu_k
 
 
+def _packed_backward_backend(head_dim: int) -> str:
+    """cute_sm90 where its table serves a packed backward at ``head_dim`` (the padded kernels included, where
+    bwd_variants.PADDED_SERVED), else triton_fa2."""
+    tile, _ = bwd_variants.pick(head_dim)
+    served = tile is not None and not bwd_variants.feature_reasons(tile, False, True, False, False)
+    return "cute_sm90" if served else "triton_fa2"
+
+
 @pytest.mark.parametrize("dtype, head_dim", HEAD_DIMS, ids=[f"{'bf16' if t == torch.bfloat16 else 'fp16'}_d{d}"
                                                              for t, d in HEAD_DIMS])
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -64,7 +73,7 @@ def test_packed_forward_matches_fp64_per_sequence(case, dtype, head_dim, gen, po
     assert decision.forward.backend == "cute_sm90" and decision.forward.variant.varlen
     if grad:
         assert decision.backward.variant.varlen
-        assert decision.backward.backend == ("cute_sm90" if head_dim in (64, 128) else "triton_fa2"), decision
+        assert decision.backward.backend == _packed_backward_backend(head_dim), decision
     dout = torch.randn(out.shape, generator=gen).to("cuda", dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout) if grad else None
     for name, t in (("out", out), ("lse", lse), *(zip(("dq", "dk", "dv"), grads) if grad else ())):
