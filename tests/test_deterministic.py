@@ -36,9 +36,10 @@ def test_the_note_does_not_offer_a_deterministic_kernel_that_would_not_serve():
 
 
 def test_forcing_cute_sm90_with_deterministic_where_its_backward_does_not_serve():
-    """d=96 has no cute_sm90 backward: the next backward that is reproducible (triton_fa2's, no atomics) runs."""
-    d = explain(device="H100", dtype="bf16", head_dim=96, seqlen_q=2048, heads=8, needs_grad=True,
-                backend="cute_sm90", deterministic=True)
+    """d=192 with a window has no cute_sm90 backward (its 256 kernel has no WINDOW form): the next backward that is
+    reproducible (triton_fa2's, no atomics) runs."""
+    d = explain(device="H100", dtype="bf16", head_dim=192, seqlen_q=2048, heads=8, needs_grad=True,
+                backend="cute_sm90", causal=True, window_size=(255, 0), deterministic=True)
     assert d.forward.backend == "cute_sm90" and d.backward.backend == "triton_fa2"
     assert d.backward.note == "bitwise reproducible"
 
