@@ -101,17 +101,6 @@ def test_a_forced_backend_says_why_its_backward_cannot_serve(kw, reason):
     assert any(reason in r for r in d.backward.reasons_of("cute_sm90")), d.backward.reasons_of("cute_sm90")
 
 
-@pytest.mark.parametrize("head_dim", (8, 80, 96, 192))
-def test_a_head_dim_between_kernels_runs_the_next_kernel_up(head_dim):
-    """Padded backward (bwd_variants.PADDED_SERVED): forced training at a model head dim runs cute_sm90's own
-    backward, the kernel of bwd_variants.kernel_head_dim with the head dim as given."""
-    d = explain(device="H100", dtype="bf16", head_dim=head_dim, seqlen_q=512, needs_grad=True, backend="cute_sm90")
-    assert d.backward.backend == "cute_sm90", d
-    variant = d.backward.variant
-    params = variant.tile.params(variant.head_dim)
-    assert (params["head_dim"], params["head_dim_padded"]) == (head_dim, bwd_variants.kernel_head_dim(head_dim))
-
-
 def test_a_forced_training_call_shows_its_backward_in_the_decision():
     d = explain(device="H200", dtype="bf16", head_dim=128, seqlen_q=2048, heads=8, needs_grad=True,
                 backend="cute_sm90")

@@ -222,7 +222,8 @@ def test_window_backward_compiles_with_its_gemms_unserialized(tmp_path, variant)
 
 # `attnforge build --features softcap,alibi,window+softcap+alibi`: the backward's SOFTCAP and ALIBI kernels, bf16
 FEATURE_BWD = [v for v in registered()["cute_sm90"].variants(
-    dtypes=("bf16",), head_dims=FEATURE_BWD_HEAD_DIMS, features=(frozenset({"softcap"}), frozenset({"alibi"}), frozenset({"window", "softcap", "alibi"})))
+    dtypes=("bf16",), head_dims=FEATURE_BWD_HEAD_DIMS,
+    features=(frozenset({"softcap"}), frozenset({"alibi"}), frozenset({"window", "softcap", "alibi"})))
     if isinstance(v, Sm90BwdVariant) and (v.softcap or v.alibi)]
 # measured here (stack bytes, causal/full): d=128 softcap 0/8, alibi 0/16, all three 128 (with VARLEN); d=64
 # softcap 72/80, alibi 40, window+softcap+alibi 344 (the 128-row query block leaves no registers for the tanh
