@@ -63,6 +63,7 @@ class Problem:
     needs_grad: bool = False
     return_lse: bool = False
     softcap: bool = False  # scores capped as softcap * tanh(scores / softcap) (the value is the Call's)
+    softcap_large: bool = False  # a cap above SMALL_SOFTCAP: too wide a score range for one fixed softmax offset
     sinks: bool = False  # one learnable logit per query head in each row's softmax (the tensor is the Call's)
     alibi: bool = False  # ALiBi: -slope * |i + Nk - Nq - j| added to the scores (the slopes are the Call's)
     deterministic: bool = False  # the backward must be bitwise reproducible (FlashAttention's deterministic=True)
@@ -171,7 +172,7 @@ def validate_tensors(q, k, v, layout: str) -> None:
 def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: str = "bhsd", mask: Mask = Mask(),
                          dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None,
                          softcap: bool = False, sinks: bool = False, alibi: bool = False,
-                         deterministic: bool = False) -> Problem:
+                         deterministic: bool = False, softcap_large: bool = False) -> Problem:
     """Validate q, k, v and describe them as a Problem on ``device`` (default: the tensors' device)."""
     validate_tensors(q, k, v, layout)
     if device is None:
@@ -183,7 +184,16 @@ def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: s
                    seqlen_k=k.shape[s], head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=_NAME_OF[q.dtype],
                    device=device, mask=mask, dropout=check_dropout(dropout_p) > 0,
                    needs_grad=bool(needs_grad), return_lse=bool(return_lse), softcap=bool(softcap),
-                   sinks=bool(sinks), alibi=bool(alibi), deterministic=bool(deterministic))
+                   softcap_large=bool(softcap_large), sinks=bool(sinks), alibi=bool(alibi),
+                   deterministic=bool(deterministic))
+
+
+# The largest softcap whose capped scores fit one fixed softmax offset in bf16, so a kernel may skip the running row
+# max (cute_sm90's FIXED_MAX): in log2 units the scores lie in [-a, a], a = softcap * log2(e); with P kept at most
+# 2^32 (no overflow of the fp32 row sums or of P @ V), a row's largest P is at least 2^(32 - 2a), a normal fp32
+# (exp2 flushes below 2^-126) for a <= 79, softcap <= 54.7. 54 keeps a margin, and covers Gemma 2's 50 and
+# Grok-1's 30. Problem.softcap_large says a call's cap is above it.
+SMALL_SOFTCAP = 54.0
 
 
 def check_softcap(softcap) -> float:

@@ -40,6 +40,8 @@ UNCHECKED = frozenset({"reference"})  # the oracle itself
 BATCH, HEADS_Q, HEADS_KV, SEQLEN_Q, SEQLEN_K = 1, 2, 1, 133, 161
 # A softcapped variant runs its tiny problem with this cap: near the unit scores' size, so the tanh bends them.
 SOFTCAP = 2.0
+# ... and one whose cap is above dispatch.problem.SMALL_SOFTCAP with this (the kernels may differ: cute_sm90's FIXED_MAX)
+LARGE_SOFTCAP = 64.0
 # An fp8 KV cache's (key, value) descales in the tiny problem: not 1, so that a kernel that drops one is caught.
 FP8_KV_DESCALES = (0.5, 2.0)
 # ALiBi's geometric slopes for the tiny problem's HEADS_Q heads (2^(-8 i / heads)).
@@ -172,7 +174,7 @@ def _tiny_inputs(problem: Problem):
 
     q, k, v = (rand(HEADS_Q, SEQLEN_Q, problem.head_dim), rand(HEADS_KV, SEQLEN_K, problem.head_dim),
                rand(HEADS_KV, SEQLEN_K, problem.head_dim_v))
-    features = dict(softcap=SOFTCAP if problem.softcap else 0.0,
+    features = dict(softcap=(LARGE_SOFTCAP if problem.softcap_large else SOFTCAP) if problem.softcap else 0.0,
                     sinks=torch.randn(HEADS_Q, generator=g, device="cpu").to(device) if problem.sinks else None,
                     alibi_slopes=(torch.tensor(ALIBI_SLOPES, device=device).expand(BATCH, HEADS_Q).contiguous()
                                   if problem.alibi else None))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import attnforge
-from attnforge import BackendUnavailableError, InvalidInputError, attention, explain
+from attnforge import BackendUnavailableError, InvalidInputError, attention, explain, last_decision
+from attnforge.dispatch.problem import SMALL_SOFTCAP
 from attnforge.dispatch import registered
 from attnforge.testing import assert_close, oracle, peer_error, rel_error
 
@@ -259,6 +260,22 @@ def test_softcap_is_served_where_declared_and_refused_with_the_reason_elsewhere(
     cpu = explain(device="cpu", dtype="fp32", head_dim=64, seqlen_q=100, softcap=50.0)
     assert cpu.forward.backend == "reference"
     assert explain(device="cpu", dtype="fp32", head_dim=64, seqlen_q=100, softcap=0.0).forward.backend == "sdpa"
+
+
+@pytest.mark.parametrize("entry", ["attention", "attention_varlen", "attention_with_kvcache", "explain"])
+@pytest.mark.parametrize("cap", [0.0, 30.0, SMALL_SOFTCAP, 60.0])
+def test_every_entry_point_says_whether_the_cap_is_above_the_small_softcap(entry, cap, gen):
+    """Problem.softcap_large (a cap too wide for one fixed softmax offset: cute_sm90's FIXED_MAX) from the value."""
+    q, k, v = (torch.randn(1, 17, 2, 16, generator=gen) for _ in range(3))  # (batch, seqlen, heads, dim)
+    if entry == "attention":
+        attention(q, k, v, softcap=cap, layout="bshd")
+    elif entry == "attention_varlen":
+        cu = torch.tensor([0, 17], dtype=torch.int32)
+        attnforge.attention_varlen(q[0], k[0], v[0], cu, cu, 17, 17, softcap=cap)
+    elif entry == "attention_with_kvcache":
+        attnforge.attention_with_kvcache(q[:, :1], k, v, softcap=cap)
+    problem = (explain(q, k, v, layout="bshd", softcap=cap) if entry == "explain" else last_decision()).problem
+    assert (problem.softcap, problem.softcap_large) == (cap > 0, cap > SMALL_SOFTCAP)
 
 
 def test_softcap_matches_fp64_math_and_gradcheck_on_the_reference(gen):

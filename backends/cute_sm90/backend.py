@@ -45,16 +45,22 @@ class Sm90Variant(CuteVariant):
     sinks: bool = False
     alibi: bool = False
     varlen: bool = False
+    # FIXED_MAX in the template: a softcapped bf16 forward subtracts one fixed max (the cap bounds the scores)
+    # instead of a running one; only for caps up to dispatch.problem.SMALL_SOFTCAP (variants.fixed_max_serves)
+    fixed_max: bool = False
     compile_module = cc
 
     @property
     def module(self) -> str:
-        return self.tile.module(self.head_dim, self.kind) + self.feature_suffix
+        return self.tile.module(self.head_dim, self.kind) + self.feature_suffix + ("_fixedmax" if self.fixed_max else "")
 
     @property
     def source(self) -> Source:
         return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind, self.window, self.softcap, self.sinks,
-                                                       self.alibi, self.varlen), self.module)
+                                                       self.alibi, self.varlen, self.fixed_max), self.module)
+
+    def describe(self) -> str:
+        return super().describe() + (" fixed max" if self.fixed_max else "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,7 +156,7 @@ class CuteSm90Backend(Backend):
         if reasons:
             return None, reasons
         return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal, **features,
-                           varlen=problem.varlen), []
+                           varlen=problem.varlen, fixed_max=variants.fixed_max_serves(problem)), []
 
     def _plan_backward(self, problem: Problem) -> Planned:
         reasons = []
@@ -217,9 +223,14 @@ class CuteSm90Backend(Backend):
                     continue
                 out += [Sm90Variant(tile, cc.KIND[dtype], head_dim, dtype, flag) for flag in causal]
                 if cc.KIND[dtype] == "16bit":  # the feature sets it compiles in (build --features; not FP8)
+                    # (a softcap without ALiBi in bf16 builds both softmaxes: caps up to FIXED_MAX_SOFTCAP take the
+                    # fixed max, larger ones the running one)
                     out += [Sm90Variant(tile, "16bit", head_dim, dtype, flag, **feature_flags(kinds),
-                                        varlen="varlen" in kinds)
-                            for kinds in features if kinds and kinds <= {*SCORE_FEATURES, "varlen"} for flag in causal]
+                                        varlen="varlen" in kinds, fixed_max=fixed)
+                            for kinds in features if kinds and kinds <= {*SCORE_FEATURES, "varlen"}
+                            for fixed in (False, True)
+                            if not fixed or variants.fixed_max_kernel(dtype, "softcap" in kinds, "alibi" in kinds)
+                            for flag in causal]
                 back, _ = bwd_variants.pick(head_dim) if cc.KIND[dtype] == "16bit" else (None, ())
                 if back is not None:
                     modes = (False, True) if deterministic else (False,)

@@ -77,12 +77,14 @@ class Sm90FwdTile:
                 f"{'_to' if self.tma_store else ''}{f'_e{self.exp2_fma_every}' if self.exp2_fma_every else ''}")
 
     def params(self, head_dim: int, kind: str = "16bit", window: bool = False, softcap: bool = False,
-               sinks: bool = False, alibi: bool = False, varlen: bool = False) -> dict:
-        """The template's parameters; ``window``, ``softcap``, ``sinks``, ``alibi`` and ``varlen`` compile in its
-        WINDOW, SOFTCAP, SINKS, ALIBI and VARLEN."""
+               sinks: bool = False, alibi: bool = False, varlen: bool = False, fixed_max: bool = False) -> dict:
+        """The template's parameters; ``window``, ``softcap``, ``sinks``, ``alibi``, ``varlen`` and ``fixed_max``
+        compile in its WINDOW, SOFTCAP, SINKS, ALIBI, VARLEN and FIXED_MAX (softcap without alibi only)."""
+        if fixed_max and not (softcap and not alibi and kind == "16bit"):
+            raise ValueError("fixed_max needs softcap without alibi (scores bounded by the cap), 16-bit inputs")
         return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": padded_head_dim(head_dim, kind),
                 "kind": kind, "o_in_q": self.o_in_q(head_dim, kind), "window": window, "softcap": softcap,
-                "sinks": sinks, "alibi": alibi, "varlen": varlen}
+                "sinks": sinks, "alibi": alibi, "varlen": varlen, "fixed_max": fixed_max}
 
     def o_in_q(self, head_dim: int, kind: str = "16bit") -> bool:
         """Whether tma_store stages O in Q's buffer (O_IN_Q in the template): each consumer warpgroup writes its 64
@@ -274,6 +276,19 @@ FWD_RANGES: dict[str, list[tuple[int, list[Sm90FwdTile]]]] = {
 # tokens, full/causal: N=1024 365/233 vs triton_fa2 333/225; N=4096 480/399 vs 411/352). Shorter
 # sequences: the launch path dominates, and cute_sm90's is the cheaper one (benchmarks/launch_cost.py).
 TRITON_FASTER: dict[tuple[str, int], tuple[int, int, str]] = {}
+
+
+def fixed_max_kernel(dtype: str, softcap: bool, alibi: bool) -> bool:
+    """Whether a forward of ``dtype`` ("bf16", "fp16", "fp8") has a FIXED_MAX kernel (the template says why a fixed max
+    is exact there): a softcap, bf16 P (fp32's exponent range; fp16's is too narrow), no ALiBi (its bias is unbounded
+    below). Built beside the running-max kernel, which serves caps above dispatch.problem.SMALL_SOFTCAP."""
+    return dtype == "bf16" and softcap and not alibi
+
+
+def fixed_max_serves(problem) -> bool:
+    """Whether ``problem`` (a dispatch Problem) runs the FIXED_MAX forward: fixed_max_kernel, with a cap no larger
+    than dispatch.problem.SMALL_SOFTCAP (the template's FIXED_P_LOG2 = 32 and fp32's exponent range need that)."""
+    return fixed_max_kernel(problem.dtype, problem.softcap, problem.alibi) and not problem.softcap_large
 
 
 def served(kind: str) -> str:

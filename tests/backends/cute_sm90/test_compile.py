@@ -110,7 +110,9 @@ FEATURE_SPILL_BYTES = {64: 136}
 def test_build_features_give_the_forward_feature_kernels_and_no_fp8_or_backward_ones():
     assert {v.features for v in FEATURES} == {("window",), ("softcap",), ("sinks",), ("alibi",),
                                               ("window", "softcap", "sinks", "alibi")}
-    assert len(FEATURES) == 3 * 5 * 2  # head dims x feature sets x causality
+    # head dims x (feature sets + the softcap's FIXED_MAX twin: bf16, no ALiBi) x causality
+    assert len(FEATURES) == 3 * (5 + 1) * 2
+    assert {v.features for v in FEATURES if v.fixed_max} == {("softcap",)}
     fp8 = registered()["cute_sm90"].variants(dtypes=("fp8",), features=(frozenset({"window"}),))
     assert not any(v.window for v in fp8)
 
@@ -126,6 +128,9 @@ def test_feature_variant_compiles_with_one_tanh_per_score_and_no_more_spills(tmp
     copies = 4 if variant.window else (3 if variant.causal else 2)
     tanh = len(re.findall(r"MUFU\.TANH", sass))
     assert tanh == (copies * variant.tile.tile_n // 2 if variant.softcap else 0), tanh
+    # FIXED_MAX: no row max per block (one FMNMX sets up the fixed offset); the running max takes one per score
+    fmnmx = len(re.findall(r"\bFMNMX\b", sass))
+    assert fmnmx <= 2 if variant.fixed_max else fmnmx >= copies * variant.tile.tile_n // 2, fmnmx
     usage = resources(cubin.read_bytes())
     allowed = max(variant.tile.accepted_spill_bytes, FEATURE_SPILL_BYTES.get(variant.head_dim, 0))
     assert usage["stack_bytes"] <= allowed and usage["local_bytes"] == 0, usage

@@ -8,6 +8,7 @@ from attnforge.backends.cute_sm90 import bwd_variants, variants
 from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90.backend import Sm90Variant
 from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
+from attnforge.dispatch.problem import SMALL_SOFTCAP
 
 
 @pytest.mark.parametrize("device", ("H100", "H200"))
@@ -115,3 +116,16 @@ def test_fp8_backward_runs_in_bf16_on_the_dequantised_inputs_and_the_decision_sa
     assert d.forward.variant.dtype == "fp8" and d.backward.variant.dtype == "bf16"
     assert d.backward.describe().endswith("(in bf16 on the dequantised fp8 inputs: there is no FP8 backward; not bitwise "
                                           "reproducible (deterministic=True: dQ summed in key-block order))")
+
+
+@pytest.mark.parametrize(("dtype", "cap", "alibi", "fixed"), [
+    ("bf16", 30.0, False, True), ("bf16", SMALL_SOFTCAP, False, True), ("bf16", 64.0, False, False),
+    ("fp16", 30.0, False, False), ("bf16", 30.0, True, False)])
+def test_a_small_softcap_in_bf16_takes_the_fixed_max_forward(dtype, cap, alibi, fixed):
+    """FIXED_MAX serves bf16 caps up to SMALL_SOFTCAP without ALiBi; the others keep the running max."""
+    d = explain(device="H100", dtype=dtype, head_dim=128, seqlen_q=4096, softcap=cap, alibi=alibi, backend="cute_sm90")
+    variant = d.forward.variant
+    assert variant.softcap and variant.fixed_max == fixed
+    assert d.problem.softcap_large == (cap > SMALL_SOFTCAP)
+    assert ("fixed max" in d.forward.describe()) == fixed
+    assert variant.module.endswith("_fixedmax") == fixed

@@ -13,6 +13,7 @@ import torch
 
 import attnforge
 from attnforge.api import _causal_mask
+from attnforge.dispatch.problem import SMALL_SOFTCAP
 from attnforge.testing import assert_close, assert_grads_close, needs_gpu, oracle, peer_error, sees
 
 pytestmark = [pytest.mark.gpu, needs_gpu((9, 0), "sm90")]
@@ -33,6 +34,7 @@ CASES = [
     (2, 4, 2, 113, 1023, False, (-1, -1), 0.0, False, "bh"),  # ALiBi, slopes per (batch, head), Nq < Nk
     (2, 4, 2, 1023, 1023, True, (-1, -1), 0.0, False, "h"),   # ALiBi per head, causal
     (2, 4, 2, 1023, 1023, True, (255, -1), 30.0, True, "bh"),  # all four
+    (2, 4, 2, 1023, 1023, True, (-1, -1), 64.0, False),    # a cap above SMALL_SOFTCAP: bf16 keeps the running max
 ]
 
 
@@ -61,6 +63,8 @@ def test_window_and_softcap_forward_match_fp64(case, dtype, head_dim, gen, poiso
     variant = attnforge.last_decision().forward.variant
     assert variant.features == tuple(f for f, on in (("window", window != (-1, -1)), ("softcap", cap > 0),
                                                       ("sinks", with_sinks), ("alibi", slopes is not None)) if on)
+    # bf16 caps up to SMALL_SOFTCAP without ALiBi run the FIXED_MAX softmax (no running max); the others the running one
+    assert variant.fixed_max == (dtype == torch.bfloat16 and 0 < cap <= SMALL_SOFTCAP and slopes is None)
     assert not out.isnan().any() and not lse.isnan().any(), "an unwritten element (or a wrong one)"
     mask = _causal_mask(causal, window)
     features = dict(mask=mask, softcap=cap, sinks=sinks, alibi_slopes=slopes)
@@ -79,6 +83,29 @@ def test_window_and_softcap_forward_match_fp64(case, dtype, head_dim, gen, poiso
         finite = ref_lse.isfinite()
         assert torch.equal(lse[~finite], ref_lse[~finite].float()), "rows that see no key: LSE -inf"
         assert_close("lse", lse[finite], ref_lse[finite], ref_lse[finite].float(), ulps=ulps)
+
+
+@pytest.mark.parametrize("cap", [5.0, SMALL_SOFTCAP, 64.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_softcap_rows_whose_every_score_sits_at_minus_the_cap(cap, dtype, gen, poisoned_empty):
+    """Every other query row scores far below -cap against every key (tanh saturates at -1), so its probabilities
+    are all near the smallest the cap allows: with FIXED_MAX (bf16, cap <= SMALL_SOFTCAP) each is about
+    2^(32 - 2 cap log2(e)), 2^-123.8 at SMALL_SOFTCAP, which must stay a normal fp32; the running max elsewhere."""
+    b, h, n, d = 1, 4, 1023, 128
+    k = (torch.rand(b, h, n, d, generator=gen) + 0.5).to("cuda", dtype)  # positive entries
+    q = torch.randn(b, h, n, d, generator=gen)
+    q[:, :, ::2] = -20 * (torch.rand(b, h, (n + 1) // 2, d, generator=gen) + 0.5)  # scores about -226: tanh -> -1
+    q = q.to("cuda", dtype)
+    v = torch.randn(b, h, n, d, generator=gen).to("cuda", dtype)
+    out, lse = attnforge.attention(q, k, v, causal=True, softcap=cap, return_lse=True, backend="cute_sm90")
+    assert attnforge.last_decision().forward.variant.fixed_max == (dtype == torch.bfloat16 and cap <= SMALL_SOFTCAP)
+    assert not out.isnan().any() and not lse.isnan().any()
+    mask = _causal_mask(True, (-1, -1))
+    ref, ref_lse, _ = oracle(q, k, v, mask=mask, softcap=cap)
+    peer, _ = peer_error(q, k, v, mask=mask, softcap=cap)
+    ulps = 4 * math.sqrt(n)
+    assert_close("out", out, ref, peer, ulps=ulps)
+    assert_close("lse", lse, ref_lse, ref_lse.float(), ulps=ulps)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[7], CASES[10], CASES[13]], ids=str)
@@ -136,6 +163,7 @@ FEATURE_BACKWARD = [
     (2, 4, 2, 113, 1023, False, (-1, -1), 0.0, False, "bh"),   # ALiBi per (batch, head), Nq < Nk
     (2, 4, 2, 1023, 1023, True, (-1, -1), 0.0, False, "h"),    # ALiBi per head, causal
     (2, 4, 2, 1023, 1023, True, (255, -1), 30.0, True, "bh"),  # all four
+    (2, 4, 2, 1023, 1023, True, (-1, -1), 64.0, False),    # a cap above SMALL_SOFTCAP: bf16 keeps the running max
 ]
 
 

@@ -1,11 +1,20 @@
 """The sm90 variant table and its one validity check."""
 
 import dataclasses
+import math
+import re
+from importlib import resources
 
 import pytest
 
+from attnforge import explain
+from attnforge.backends.cute_sm90 import compile as cc
 from attnforge.backends.cute_sm90 import variants
 from attnforge.backends.cute_sm90.variants import Sm90FwdTile, check
+from attnforge.dispatch.problem import SMALL_SOFTCAP
+
+# a bf16 softcap problem on an H100 (its cap at most SMALL_SOFTCAP)
+PROBLEM = explain(device="H100", dtype="bf16", head_dim=128, seqlen_q=4096, softcap=30.0).problem
 
 
 @pytest.mark.parametrize("kind", variants.KINDS)
@@ -96,3 +105,24 @@ def test_tma_store_stages_o_in_q_only_where_its_own_buffer_does_not_fit():
 def test_persistent_shows_in_the_names():
     tile = Sm90FwdTile(128, 128, persistent=True)
     assert tile.module(128).endswith("_pp_ps") and tile.describe().endswith(" persistent")
+
+
+def test_fixed_max_needs_a_softcap_without_alibi_in_16_bits():
+    tile, _ = variants.pick("16bit", 128)
+    assert tile.params(128, softcap=True, fixed_max=True)["fixed_max"]
+    for kw in (dict(), dict(softcap=True, alibi=True), dict(kind="fp8", softcap=True)):
+        with pytest.raises(ValueError, match="fixed_max needs softcap without alibi"):
+            tile.params(128, **kw, fixed_max=True)
+
+
+def test_the_small_softcap_keeps_the_fixed_max_in_fp32s_range():
+    """With a = SMALL_SOFTCAP * log2(e) and the template's offset max(0, a - FIXED_P_LOG2): P is at most
+    2^FIXED_P_LOG2, and a row whose every score sits at -SMALL_SOFTCAP keeps a normal P (exp2 flushes below 2^-126)."""
+    text = (resources.files("attnforge") / "templates" / cc.TEMPLATE).read_text()
+    fixed_p_log2 = float(re.search(r"^FIXED_P_LOG2 = ([0-9.]+)$", text, re.M).group(1))
+    a = SMALL_SOFTCAP * math.log2(math.e)
+    offset = max(a - fixed_p_log2, 0.0)
+    assert a - offset <= fixed_p_log2
+    assert -a - offset >= -126 + 1  # a bit to spare
+    assert not variants.fixed_max_serves(dataclasses.replace(PROBLEM, softcap_large=True))
+    assert variants.fixed_max_serves(PROBLEM)
