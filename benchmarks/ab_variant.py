@@ -44,6 +44,7 @@ from sweep_cute_sm90 import variants_of  # noqa: E402
 
 DTYPE = {"fp8": "fp8", "16bit": "bf16"}
 PLAIN = "_plain"  # with --softcap: the pick's module name + this, compiled without SOFTCAP
+FIXED = "_fixedmax"  # with --softcap and --fixed-max: the pick's module name + this, compiled with FIXED_MAX
 
 
 def _compile(build: cute.CuteBuild, obj: str) -> str:
@@ -88,6 +89,7 @@ def main() -> None:
     p.add_argument("--causal", default="both", choices=("both", "full", "causal"))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--softcap", type=float, default=0.0, help="compile and run every kernel with this softcap")
+    p.add_argument("--fixed-max", action="store_true", help="with --softcap: the pick with FIXED_MAX too (bf16)")
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--json")
     args = p.parse_args()
@@ -108,14 +110,17 @@ def main() -> None:
                 print(f"{kind} d={d} {tile.describe()}: skipped: {'; '.join(why)}")
             elif tile != pick:
                 tiles.append(tile)
-        if len(tiles) > 1:
+        if len(tiles) > 1 or args.fixed_max:
             groups.append((kind, d, tiles))
     jobs, paths = [], {}
     for kind, d, tiles in groups:
         # with --softcap, the pick without SOFTCAP too (PLAIN): the softcap kernels' cost against the plain kernel
-        for tile, softcap in [(t, args.softcap > 0) for t in tiles] + ([(tiles[0], False)] if args.softcap > 0 else []):
-            name = tile.module(d, kind) + ("" if softcap or not args.softcap else PLAIN)
-            source = Source.of(cc.TEMPLATE, tile.params(d, kind, softcap=softcap), name)
+        extra = [(tiles[0], False, False)] if args.softcap > 0 else []
+        if args.softcap > 0 and args.fixed_max:
+            extra.append((tiles[0], True, True))
+        for tile, softcap, fixed in [(t, args.softcap > 0, False) for t in tiles] + extra:
+            name = tile.module(d, kind) + (FIXED if fixed else "" if softcap or not args.softcap else PLAIN)
+            source = Source.of(cc.TEMPLATE, tile.params(d, kind, softcap=softcap, fixed_max=fixed), name)
             for causal in causals:
                 paths[name, causal] = str(folder / f"{name}_{int(causal)}.o")
                 jobs.append((cc.cute_build(source, DTYPE[kind], causal), paths[name, causal]))  # renders the module
@@ -154,6 +159,15 @@ def main() -> None:
                     runners[plain] = (lambda kernel=kernels[plain, causal], tile=tiles[0], out=out, lse=lse:
                                       run_kernel(kernel, tile, q, k, v_in, out, lse, d ** -0.5 * math.log2(math.e),
                                                  causal=causal, ctas=ctas, **extra))
+                if args.softcap > 0 and args.fixed_max:  # same arguments as the pick's SOFTCAP kernel
+                    out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+                    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+                    run = (lambda kernel=kernels[base + FIXED, causal], tile=tiles[0], out=out, lse=lse:
+                           run_kernel(kernel, tile, q, k, v_in, out, lse, scale_log2, causal=causal, ctas=ctas,
+                                      scores=scores, **extra))
+                    run()
+                    outs[base + FIXED] = (out.clone(), lse.clone())
+                    runners[base + FIXED] = run
                 ref = reference(q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), causal, args.softcap)
 
                 def rel_err(o):  # NaN stays NaN
@@ -161,8 +175,10 @@ def main() -> None:
                 rel = rel_err(outs[base][0])
                 times = interleaved_ms(runners, args.rounds)
                 work = flops(b, h, n, n, d, d, causal, "fwd")
-                for tile in tiles:
-                    name = tile.module(d, kind)
+                timed = [(tile, tile.module(d, kind)) for tile in tiles]
+                if base + FIXED in times:
+                    timed.append((tiles[0], base + FIXED))
+                for tile, name in timed:
                     tf = [work / ms / 1e9 for ms in times[name]]
                     ratios = [t0 / t for t, t0 in zip(times[name], times[base])]
                     to_plain = [t0 / t for t, t0 in zip(times[name], times[plain])] if plain in times else None
@@ -177,7 +193,8 @@ def main() -> None:
                                max_lse_diff_to_pick=(lse - outs[base][1]).abs().max().item())
                     rows.append(row)
                     nan = " NaN!" if row["nan_out"] or row["nan_lse"] else ""
-                    print(f"{kind} d={d} N={n} {'causal' if causal else 'full  '} {tile.describe():75s} "
+                    label = tile.describe() + (" FIXED_MAX" if name.endswith(FIXED) else "")
+                    print(f"{kind} d={d} N={n} {'causal' if causal else 'full  '} {label:75s} "
                           f"{row['tflops_median']:6.0f} TFLOP/s (min {min(tf):.0f}, max {max(tf):.0f})  vs pick: "
                           f"median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
                           + (f"  vs plain (no softcap) {statistics.median(to_plain):.3f}" if to_plain else "")
