@@ -6,8 +6,8 @@ from __future__ import annotations
 from ...runtime.triton_aot import KernelBuild, kernel_function
 
 # Pointer arguments that hold fp32 or int32 whatever the inputs' dtype; every other pointer holds the data dtype.
-FP32_POINTERS = {"LSE", "DELTA", "SINKS", "SLOPES", "O_PART", "LSE_PART", "DESCALE", "LSE_OUT"}
-INT32_POINTERS = {"SEQLENS", "LEFTPAD", "BLOCK_TABLE", "COUNTERS"}
+FP32_POINTERS = {"LSE", "DELTA", "SINKS", "SLOPES", "O_PART", "LSE_PART", "DESCALE"}
+INT32_POINTERS = {"SEQLENS", "LEFTPAD", "BLOCK_TABLE"}
 # A packed batch's row offsets: int32 in VARLEN kernels; the others get the (fp32) LSE as an unused stand-in.
 OFFSET_POINTERS = {"CU_Q", "CU_K"}
 # Upper-case parameters that are sizes, not pointers.
@@ -17,10 +17,11 @@ SIZES = ("B", "H", "GROUP", "N_Q", "N_K", "H_KV", "PAGE_SIZE", "KEYS_PER_SPLIT",
 CACHE_POINTERS = {"K", "V"}
 TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16"}
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dkdv_kernel", "dq_kernel", "preprocess_kernel"),
-           "kvcache": ("kvcache_kernel",)}
+           "kvcache": ("kvcache_kernel", "combine_kernel")}
 # The KV-cache module's launch() specialisations that are built ahead of time: the kernel writing the output
-# itself (one split) or fp32 partials that each tile's last split merges, for the variant's cache layout, without
-# left padding (padded calls JIT).
+# itself (one split) or fp32 partials, for the variant's cache layout, without left padding (padded calls JIT);
+# the combine for these split counts' powers of two (variants.MAX_SPLITS at most).
+KV_SPLIT_POWERS = (2, 4, 8, 16, 32, 64, 128)
 
 
 def signature(fn, dtype: str, fp32_out: bool = False, varlen: bool = False, fp8_cache: bool = False) -> tuple[tuple, tuple]:
@@ -71,7 +72,7 @@ def builds(variant, path) -> list[KernelBuild]:
 
 
 def kvcache_builds(variant, path) -> list[KernelBuild]:
-    """The KV-cache module's kernel as its launch() specialises it (one split, or several)."""
+    """The KV-cache module's kernels as its launch() specialises them (KV_SPLIT_POWERS above)."""
     tile, out = variant.tile, []
     pad = 1 << (variant.head_dim - 1).bit_length()
     head = (("HEAD_DIM", pad), ("D", variant.head_dim))
@@ -86,4 +87,9 @@ def kvcache_builds(variant, path) -> list[KernelBuild]:
             out.append(KernelBuild(str(path), tile.module, "kvcache_kernel", variant.arch, variant.dtype,
                                    variant.head_dim, dict(flags)["CAUSAL"], tile.num_warps, tile.num_stages, sig,
                                    constexprs, aligned, ()))
+    fn = kernel_function(str(path), "combine_kernel")
+    sig, aligned = signature(fn, variant.dtype)
+    for splits in KV_SPLIT_POWERS:
+        out.append(KernelBuild(str(path), tile.module, "combine_kernel", variant.arch, variant.dtype, variant.head_dim,
+                               False, 4, 1, sig, (("SPLITS", splits),) + head, aligned, ()))
     return out

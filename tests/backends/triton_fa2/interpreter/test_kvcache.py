@@ -212,18 +212,3 @@ def test_unchecked_calls_match_checked_ones_and_bad_values_give_nan_rows(backend
     assert torch.equal(out[0], checked[0][0]) and torch.equal(out[2], checked[0][2])
     with pytest.raises(attnforge.InvalidInputError, match="outside the cache|between 0 and"):
         attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **kwargs)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_split_tiles_leave_their_arrival_counters_at_zero(backend, gen, poisoned_empty):
-    """Each tile's last split merges the partials and resets the tile's counter: after calls with many tiles and
-    splits (chunked prefill, GQA), the stream's counters are all zero again, so the next call starts from zero."""
-    from attnforge.runtime.counters import zeroed_counters
-
-    k_cache, v_cache = filled(gen, [150, 90, 7], 160, 2)
-    q = torch.randn(3, 9, 8, D, generator=gen).half()  # 9 queries x 4 heads per KV head: several 16-row tiles
-    for splits in (3, 5):
-        out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(
-            [150, 90, 7], dtype=torch.int32), causal=True, num_splits=splits, return_lse=True, backend=backend)
-        assert out.isfinite().all() and not lse.isnan().any()
-        assert not zeroed_counters(q.device, 1).any(), "a counter left non-zero"
