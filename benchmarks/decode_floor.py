@@ -1,0 +1,137 @@
+"""Decode at batch 1: one query per sequence, 8k cached keys, GQA 32/8, d=128, bf16 (the smallest decode shape of
+docs/performance.md: 33.5 MB of K and V per call), on one GPU, every runner in the same run on the same inputs.
+
+A call this small is over in ~15 us, so how it is timed decides what is seen:
+- "layers": one CUDA graph of LAYERS calls, each on its own cache (as a model's decode step runs its layers, and
+  LAYERS x 33.5 MB is far more than L2 holds), replayed; time per call = the replay's time / LAYERS. This is the
+  device time a serving loop pays per layer.
+- "one call": a graph of a single call, replayed: the time between the events also holds the graph launch, which
+  the GPU waits for when the call is shorter than the host's launch.
+Both are medians of CUDA-event timings (triton.testing.do_bench, L2 flushed before each replay). Beside them: a
+device copy of the same bytes (16.8 MB to 16.8 MB: 33.5 MB moved, as a decode reads its cache once), the 2 GiB copy
+bandwidth (the roofline docs/performance.md measures decode against), SDPA (enable_gqa) on the same caches, and one "layers" replay under
+torch.profiler: each kernel's own device time. KV bandwidth = K and V bytes read once per call / time. Outputs are
+checked against fp32 math first. Kernel speed, not model speed.
+
+    python benchmarks/decode_floor.py [--layers 16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from bench_kvcache import copy_bandwidth  # noqa: E402 (run from benchmarks/, which Python puts on the path)
+
+BATCH, SEQLEN, HEADS_Q, HEADS_KV, HEAD_DIM = 1, 8192, 32, 8, 128
+
+
+def graph_of(fns):
+    """One CUDA graph running ``fns`` in order (captured after a warm-up on a side stream): its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return graph.replay
+
+
+def median_us(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=50, rep=400, return_mode="median") * 1e3
+
+
+def main(argv=None) -> int:
+    import attnforge
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(BATCH, 1, HEADS_Q, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
+    caches = [tuple(torch.randn(BATCH, SEQLEN, HEADS_KV, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
+                    for _ in range(2)) for _ in range(args.layers)]
+    seqlens = torch.full((BATCH,), SEQLEN, dtype=torch.int32, device="cuda")
+    kv_bytes = 2 * caches[0][0].numel() * caches[0][0].element_size()
+    copy_bps = copy_bandwidth()
+    src = [torch.empty(kv_bytes // 2, dtype=torch.uint8, device="cuda") for _ in range(args.layers)]
+    dst = [torch.empty_like(s) for s in src]
+
+    def ours(kc, vc, splits=0):
+        return lambda: attnforge.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=splits,
+                                                        check_inputs=False)
+
+    def sdpa(kc, vc):
+        return lambda: F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                                      enable_gqa=True)
+
+    makers = {"attnforge (heuristic splits)": ours, "sdpa": sdpa, "copy of the same bytes": None}
+    for splits in (8, 16, 32):
+        makers[f"attnforge {splits} splits"] = lambda kc, vc, s=splits: ours(kc, vc, s)
+
+    # correctness first: against fp32 math on the first cache
+    kc, vc = caches[0]
+    ref = F.scaled_dot_product_attention(q.float().transpose(1, 2), kc.float().transpose(1, 2),
+                                         vc.float().transpose(1, 2), enable_gqa=True).transpose(1, 2)
+    bound = 4 * (sdpa(kc, vc)().transpose(1, 2).float() - ref).abs().max().item() + 2 ** -7
+    for name, make in makers.items():
+        if make is not None and name != "sdpa":
+            err = (make(kc, vc)().float() - ref).abs().max().item()
+            if not err <= bound:
+                raise SystemExit(f"{name}: max error {err:.3g} against fp32 math (bound {bound:.3g})")
+
+    rows = {"kv_bytes": kv_bytes, "copy_2gib_bytes_per_s": copy_bps, "layers": args.layers, "runners": {}}
+    for name, make in makers.items():
+        if make is None:
+            calls = [lambda s=s, d=d: d.copy_(s) for s, d in zip(src, dst)]
+        else:
+            calls = [make(kc, vc) for kc, vc in caches]
+        per_layer = median_us(graph_of(calls)) / args.layers
+        one = median_us(graph_of(calls[:1]))
+        rows["runners"][name] = {"layers_us_per_call": per_layer, "one_call_us": one}
+        print(f"{name:32s} layers: {per_layer:7.2f} us/call, {kv_bytes / per_layer / 1e6:5.2f} TB/s "
+              f"({kv_bytes / per_layer / 1e6 / (copy_bps / 1e12):.2f} of the 2 GiB copy)   one call: {one:6.2f} us",
+              flush=True)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    rows["profiled_us"] = {}
+    for name in ("attnforge (heuristic splits)",):
+        replay = graph_of([makers[name](kc, vc) for kc, vc in caches])
+        for _ in range(10):
+            replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                replay()
+            torch.cuda.synchronize()
+        kernels = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels.setdefault(event.name, []).append(event.device_time)
+        rows["profiled_us"][name] = {kernel: statistics.median(times) for kernel, times in kernels.items()}
+        for kernel, times in kernels.items():
+            print(f"  {name}: kernel {kernel[:40]:40s} x{len(times)} median {statistics.median(times):.2f} us",
+                  flush=True)
+    print(f"2 GiB copy: {copy_bps / 1e12:.3f} TB/s; 80% of it for {kv_bytes / 1e6:.1f} MB: "
+          f"{kv_bytes / (0.8 * copy_bps) * 1e6:.2f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
