@@ -44,7 +44,7 @@ from sweep_cute_sm90 import variants_of  # noqa: E402
 
 DTYPE = {"fp8": "fp8", "16bit": "bf16"}
 PLAIN = "_plain"  # with --softcap: the pick's module name + this, compiled without SOFTCAP
-FIXED = "_fixedmax"  # with --softcap and --fixed-max: the pick's module name + this, compiled with FIXED_MAX
+FIXED = "_fixedmax"  # with --softcap and --fixed-max: a tile's module name + this, compiled with FIXED_MAX
 
 
 def _compile(build: cute.CuteBuild, obj: str) -> str:
@@ -89,7 +89,7 @@ def main() -> None:
     p.add_argument("--causal", default="both", choices=("both", "full", "causal"))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--softcap", type=float, default=0.0, help="compile and run every kernel with this softcap")
-    p.add_argument("--fixed-max", action="store_true", help="with --softcap: the pick with FIXED_MAX too (bf16)")
+    p.add_argument("--fixed-max", action="store_true", help="with --softcap: each tile with FIXED_MAX too (bf16)")
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--json")
     args = p.parse_args()
@@ -116,8 +116,8 @@ def main() -> None:
     for kind, d, tiles in groups:
         # with --softcap, the pick without SOFTCAP too (PLAIN): the softcap kernels' cost against the plain kernel
         extra = [(tiles[0], False, False)] if args.softcap > 0 else []
-        if args.softcap > 0 and args.fixed_max:
-            extra.append((tiles[0], True, True))
+        if args.softcap > 0 and args.fixed_max:  # every tile's FIXED_MAX twin too
+            extra += [(t, True, True) for t in tiles]
         for tile, softcap, fixed in [(t, args.softcap > 0, False) for t in tiles] + extra:
             name = tile.module(d, kind) + (FIXED if fixed else "" if softcap or not args.softcap else PLAIN)
             source = Source.of(cc.TEMPLATE, tile.params(d, kind, softcap=softcap, fixed_max=fixed), name)
@@ -159,15 +159,16 @@ def main() -> None:
                     runners[plain] = (lambda kernel=kernels[plain, causal], tile=tiles[0], out=out, lse=lse:
                                       run_kernel(kernel, tile, q, k, v_in, out, lse, d ** -0.5 * math.log2(math.e),
                                                  causal=causal, ctas=ctas, **extra))
-                if args.softcap > 0 and args.fixed_max:  # same arguments as the pick's SOFTCAP kernel
+                for tile in tiles if args.softcap > 0 and args.fixed_max else ():  # the SOFTCAP kernel's arguments
+                    name = tile.module(d, kind) + FIXED
                     out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
                     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-                    run = (lambda kernel=kernels[base + FIXED, causal], tile=tiles[0], out=out, lse=lse:
+                    run = (lambda kernel=kernels[name, causal], tile=tile, out=out, lse=lse:
                            run_kernel(kernel, tile, q, k, v_in, out, lse, scale_log2, causal=causal, ctas=ctas,
                                       scores=scores, **extra))
                     run()
-                    outs[base + FIXED] = (out.clone(), lse.clone())
-                    runners[base + FIXED] = run
+                    outs[name] = (out.clone(), lse.clone())
+                    runners[name] = run
                 ref = reference(q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), causal, args.softcap)
 
                 def rel_err(o):  # NaN stays NaN
@@ -175,9 +176,8 @@ def main() -> None:
                 rel = rel_err(outs[base][0])
                 times = interleaved_ms(runners, args.rounds)
                 work = flops(b, h, n, n, d, d, causal, "fwd")
-                timed = [(tile, tile.module(d, kind)) for tile in tiles]
-                if base + FIXED in times:
-                    timed.append((tiles[0], base + FIXED))
+                timed = [(tile, tile.module(d, kind) + suffix) for suffix in ("", FIXED) for tile in tiles
+                         if tile.module(d, kind) + suffix in times]
                 for tile, name in timed:
                     tf = [work / ms / 1e9 for ms in times[name]]
                     ratios = [t0 / t for t, t0 in zip(times[name], times[base])]
