@@ -155,8 +155,11 @@ class CuteSm90Backend(Backend):
         reasons += why
         if reasons:
             return None, reasons
+        fixed_max = variants.fixed_max_serves(problem)
+        if fixed_max:
+            tile = variants.fixed_max_tile(tile, problem.head_dim)
         return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal, **features,
-                           varlen=problem.varlen, fixed_max=variants.fixed_max_serves(problem)), []
+                           varlen=problem.varlen, fixed_max=fixed_max), []
 
     def _plan_backward(self, problem: Problem) -> Planned:
         reasons = []
@@ -225,8 +228,8 @@ class CuteSm90Backend(Backend):
                 if cc.KIND[dtype] == "16bit":  # the feature sets it compiles in (build --features; not FP8)
                     # (a softcap without ALiBi in bf16 builds both softmaxes: caps up to FIXED_MAX_SOFTCAP take the
                     # fixed max, larger ones the running one)
-                    out += [Sm90Variant(tile, "16bit", head_dim, dtype, flag, **feature_flags(kinds),
-                                        varlen="varlen" in kinds, fixed_max=fixed)
+                    out += [Sm90Variant(variants.fixed_max_tile(tile, head_dim) if fixed else tile, "16bit", head_dim,
+                                        dtype, flag, **feature_flags(kinds), varlen="varlen" in kinds, fixed_max=fixed)
                             for kinds in features if kinds and kinds <= {*SCORE_FEATURES, "varlen"}
                             for fixed in (False, True)
                             if not fixed or variants.fixed_max_kernel(dtype, "softcap" in kinds, "alibi" in kinds)

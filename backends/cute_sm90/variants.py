@@ -285,6 +285,21 @@ def fixed_max_kernel(dtype: str, softcap: bool, alibi: bool) -> bool:
     return dtype == "bf16" and softcap and not alibi
 
 
+# FIXED_MAX softcap forwards at head dims up to 64 (the 64 tile's) take one exp2 in three on the FMA pipe: there the
+# two MUFU operations per score (tanh, exp2) still bind against half of d=128's tensor work, and without the running
+# max the FMA pipe has room. H200, softcap 30, bf16, 16k tokens, 5 interleaved rounds (benchmarks/results/
+# 2026-12-04-h200-softcap-fixed-max-decode/softcap30_flags.json, d=64): 0.78-0.80 of the plain kernel, against
+# 0.74-0.75 with FIXED_MAX alone and 0.71 with the running max. At d=128 it loses (0.86-0.88 against 0.89-0.92); row
+# sums by MMA beside FIXED_MAX moved d=128 by -1.7% to +1.3%, not taken.
+FIXED_MAX_EXP2_FMA_EVERY = ((64, 3),)  # (largest head dim, one in n columns)
+
+
+def fixed_max_tile(tile: Sm90FwdTile, head_dim: int) -> Sm90FwdTile:
+    """The tile a FIXED_MAX softcap forward of ``head_dim`` runs: ``tile`` with FIXED_MAX_EXP2_FMA_EVERY's exp2 split."""
+    every = next((n for bound, n in FIXED_MAX_EXP2_FMA_EVERY if head_dim <= bound), 0)
+    return dataclasses.replace(tile, exp2_fma_every=every) if every else tile
+
+
 def fixed_max_serves(problem) -> bool:
     """Whether ``problem`` (a dispatch Problem) runs the FIXED_MAX forward: fixed_max_kernel, with a cap no larger
     than dispatch.problem.SMALL_SOFTCAP (the template's FIXED_P_LOG2 = 32 and fp32's exponent range need that)."""

@@ -128,9 +128,12 @@ def test_feature_variant_compiles_with_one_tanh_per_score_and_no_more_spills(tmp
     copies = 4 if variant.window else (3 if variant.causal else 2)
     tanh = len(re.findall(r"MUFU\.TANH", sass))
     assert tanh == (copies * variant.tile.tile_n // 2 if variant.softcap else 0), tanh
-    # FIXED_MAX: no row max per block (one FMNMX sets up the fixed offset); the running max takes one per score
+    # FIXED_MAX: no row max per block (one FMNMX sets up the fixed offset, and exp2_fma clamps its inputs by one);
+    # the running max takes one per score
     fmnmx = len(re.findall(r"\bFMNMX\b", sass))
-    assert fmnmx <= 2 if variant.fixed_max else fmnmx >= copies * variant.tile.tile_n // 2, fmnmx
+    on_fma = copies * variant.tile.tile_n // 2 // variant.tile.exp2_fma_every if variant.tile.exp2_fma_every else 0
+    assert fmnmx <= 2 + on_fma if variant.fixed_max else fmnmx >= copies * variant.tile.tile_n // 2, fmnmx
+    assert (variant.tile.exp2_fma_every == 3) == (variant.fixed_max and variant.head_dim <= 64)
     usage = resources(cubin.read_bytes())
     allowed = max(variant.tile.accepted_spill_bytes, FEATURE_SPILL_BYTES.get(variant.head_dim, 0))
     assert usage["stack_bytes"] <= allowed and usage["local_bytes"] == 0, usage
