@@ -111,7 +111,7 @@ def measure_grid(grid: list[Shape], dtype: str = "bf16", warmup_ms: float = 25, 
                     continue
                 runners[plan], problems[plan] = run, decision.problem
             if q.device.type == "cuda":
-                count = len(measure.balanced_orders(len(runners))) if rounds is None else rounds
+                count = measure.round_count(len(runners), rounds)
                 times = measure.interleaved_ms(runners, count, warmup_ms, rep_ms / count)
             else:
                 times = {plan: [measure.time_ms(run, q.device, warmup_ms, rep_ms)[0]] for plan, run in runners.items()}

@@ -81,6 +81,12 @@ def balanced_orders(n: int) -> list[list[int]]:
     return [order for row in orders for order in (row, row[::-1])]
 
 
+def round_count(runners: int, rounds: int | None = None) -> int:
+    """How many rounds interleaved_ms runs for ``runners`` runners: ``rounds``, or (None) the whole balanced design
+    (balanced_orders); callers that split a time budget among the rounds divide by it."""
+    return len(balanced_orders(runners)) if rounds is None else rounds
+
+
 def interleaved_ms(runners: dict, rounds: int | None = None, warmup_ms: float = 25,
                    rep_ms: float = 200) -> dict[str, list[float]]:
     """CUDA runners timed in rounds, each once per round (time_ms's median), in balanced_orders (``rounds`` None:
@@ -98,7 +104,7 @@ def interleaved_ms(runners: dict, rounds: int | None = None, warmup_ms: float = 
         time_ms(runners[name], cuda, warmup_ms, warmup_ms)
     times = {name: [] for name in names}
     orders = balanced_orders(len(names))
-    for r in range(len(orders) if rounds is None else rounds):
+    for r in range(round_count(len(names), rounds)):
         for i in orders[r % len(orders)]:
             times[names[i]].append(time_ms(runners[names[i]], cuda, warmup_ms, rep_ms)[0])
     return times

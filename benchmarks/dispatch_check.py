@@ -76,7 +76,7 @@ def main() -> None:
             # the 25 ms warm-up: with 10 ms (and 50 ms of repetitions) the sdpa backend, then always timed right after
             # triton_fa2, measured up to 9% above the same SDPA call by stock torch (dispatch_check-2.json in
             # benchmarks/results/2026-12-02-h200-dispatch/; 25 ms and one 150 ms block: within 3%)
-            rounds = args.rounds or len(measure.balanced_orders(len(impls)))
+            rounds = measure.round_count(len(impls), args.rounds)
             times = measure.interleaved_ms({name: measure.step(fn, q, k, v, dout, mode) for name, fn in impls.items()},
                                            rounds, warmup_ms=25, rep_ms=150 / rounds)
             tflops = {name: flop / (statistics.median(ms) * 1e-3) / 1e12 for name, ms in times.items()}

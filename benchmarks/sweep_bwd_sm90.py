@@ -111,6 +111,13 @@ def main() -> None:
             print(v.name, "gradients:", failed[v.name] or "ok", flush=True)
     cuda_gen = torch.Generator(device="cuda").manual_seed(0)
     table, results = impls.implementations(), []
+    peers = []  # the peers that can run here; the others are left out with why
+    for peer in ("sdpa-cudnn", "fa4"):
+        why = table[peer].why_not(torch.device("cuda"), torch.bfloat16)
+        if why:
+            print(f"{peer} not run: {why}", flush=True)
+        else:
+            peers.append(peer)
     for d in dims:
         for n in map(int, args.seqlen.split(",")):
             for causal in (False, True):
@@ -127,7 +134,7 @@ def main() -> None:
                            for var in variants[d, causal] if failed[var.name] is None}
                 if attnforge.explain(q, k, v, causal=causal, layout="bshd", needs_grad=True, backend="cute_sm90").ok:
                     runners["attnforge (table)"] = measure.step(attnforge_step, q, k, v, dout, "fwd+bwd")
-                for peer in ("sdpa-cudnn", "fa4"):
+                for peer in peers:
                     runners[peer] = measure.step(table[peer].make(causal, scale), q, k, v, dout, "fwd+bwd")
                 times = measure.interleaved_ms(runners, args.rounds)
                 flop = costs.flop_count(b, h, n, n, d, d, causal, "fwd+bwd")

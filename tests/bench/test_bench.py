@@ -95,6 +95,7 @@ def test_interleaved_rounds_time_every_runner_once_per_round_after_an_untimed_pa
                      for name in "abc"}
     order.clear()
     assert len(measure.interleaved_ms(runners)["a"]) == 6  # rounds=None: the whole design, 2 x 3 rounds
+    assert (measure.round_count(3), measure.round_count(4), measure.round_count(3, 4)) == (6, 4, 4)
 
 
 def test_cpu_deciles_lie_within_the_samples(monkeypatch):
