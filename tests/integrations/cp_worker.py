@@ -1,0 +1,106 @@
+"""Run by test_context_parallel.py as a script: torch's context parallelism on two CPU processes (gloo), the ring
+steps served by attnforge. Rank 0 prints one JSON line per rank and configuration: the errors the test asserts on,
+PyTorch's own error in fp32 beside them, and how many calls of attnforge's forward and backward the ring made.
+
+Each worker registers attnforge's functions for ``aten::_scaled_dot_product_flash_attention`` and its backward under
+the CPU dispatch key (torch's flash-attention registry installs them for CUDA only; on a GPU,
+``torch.nn.attention.activate_flash_attention_impl("attnforge")`` does this), counting the calls. Inside
+``context_parallel`` the sequence is sharded over the ranks (head-tail load-balanced when causal, as torch does), and
+the flash op called on DTensors goes to torch's ring: each step one call of attnforge's forward, the steps merged by
+LSE in torch, then each step's backward from the merged output and LSE. The output and gradients, unsharded, are
+compared with fp64 full attention, beside PyTorch's own error in the inputs' dtype (fp32).
+
+    python tests/integrations/cp_worker.py PORT
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+CONFIGS = [(causal, rotate) for causal in (False, True) for rotate in ("allgather", "alltoall")]
+BATCH, HEADS, SEQLEN, DIM = 2, 4, 96, 16  # SEQLEN: 2 ranks x 2 load-balancing chunks x 24
+
+
+def attention_math(q, k, v, causal: bool, scale: float):
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def full(q, k, v, dout, causal: bool, scale: float, dtype):
+    """Full attention in ``dtype``: (out, dq, dk, dv)."""
+    q, k, v = (t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v))
+    out = attention_math(q, k, v, causal, scale)
+    out.backward(dout.to(dtype))
+    return [t.detach().double() for t in (out, q.grad, k.grad, v.grad)]
+
+
+def worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard, set_rotate_method
+
+    import attnforge
+    from attnforge.integrations import torch_flash
+
+    calls = {"forward": 0, "backward": 0}
+
+    def counted(fn, kind):
+        def run(*args, **kwargs):
+            calls[kind] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_scaled_dot_product_flash_attention", counted(torch_flash.sdpa_flash_forward, "forward"), "CPU")
+    library.impl("_scaled_dot_product_flash_attention_backward", counted(torch_flash.sdpa_flash_backward, "backward"),
+                 "CPU")
+    mesh = init_device_mesh("cpu", (WORLD,))
+    scale = DIM ** -0.5
+    rows = []
+    for i, (causal, rotate) in enumerate(CONFIGS):
+        gen = torch.Generator().manual_seed(i)
+        q, k, v, dout = (torch.randn(BATCH, HEADS, SEQLEN, DIM, generator=gen) for _ in range(4))
+        want = full(q, k, v, dout, causal, scale, torch.float64)
+        peer = full(q, k, v, dout, causal, scale, torch.float32)
+        before = dict(calls)
+        set_rotate_method(rotate)
+        _cp_options.enable_load_balance = causal  # (torch's head-tail balancing is for causal attention only)
+        shards = [t.clone() for t in (q, k, v, dout)]
+        with context_parallel(mesh, buffers=shards, buffer_seq_dims=[2] * 4):
+            local = [t.detach().clone().requires_grad_() for t in shards[:3]]
+            q_d, k_d, v_d = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in local)
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q_d, k_d, v_d, 0.0, causal, False,
+                                                                     scale=scale)[0]
+            out.to_local().backward(shards[3])
+            decision = attnforge.last_decision()
+        got = context_parallel_unshard(mesh, [out.to_local().detach(), *(t.grad for t in local)], [2] * 4)
+        errors = {name: (g.double() - w).abs().max().item() for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+        peers = {name: (p - w).abs().max().item() for name, p, w in zip(("out", "dq", "dk", "dv"), peer, want)}
+        scales = {name: w.abs().max().item() for name, w in zip(("out", "dq", "dk", "dv"), want)}
+        rows.append({"rank": rank, "causal": causal, "rotate": rotate, "errors": errors, "peer_errors": peers,
+                     "scales": scales, "forward_calls": calls["forward"] - before["forward"],
+                     "backward_calls": calls["backward"] - before["backward"],
+                     "backend": decision.forward.backend if decision else None})
+    every = [None] * WORLD if rank == 0 else None
+    dist.gather_object(rows, every, dst=0)  # (one printer: the ranks' lines would interleave)
+    if rank == 0:
+        for row in (row for rank_rows in every for row in rank_rows):
+            print(json.dumps(row), flush=True)
+    dist.barrier()  # (no rank tears the group down while the other's last collective is in flight)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(int(sys.argv[1]),), nprocs=WORLD)
