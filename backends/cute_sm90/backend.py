@@ -226,7 +226,7 @@ class CuteSm90Backend(Backend):
                     continue
                 out += [Sm90Variant(tile, cc.KIND[dtype], head_dim, dtype, flag) for flag in causal]
                 if cc.KIND[dtype] == "16bit":  # the feature sets it compiles in (build --features; not FP8)
-                    # (a softcap without ALiBi in bf16 builds both softmaxes: caps up to FIXED_MAX_SOFTCAP take the
+                    # (a softcap without ALiBi in bf16 builds both softmaxes: caps up to SMALL_SOFTCAP take the
                     # fixed max, larger ones the running one)
                     out += [Sm90Variant(variants.fixed_max_tile(tile, head_dim) if fixed else tile, "16bit", head_dim,
                                         dtype, flag, **feature_flags(kinds), varlen="varlen" in kinds, fixed_max=fixed)
