@@ -6,6 +6,7 @@ import re
 from importlib import resources
 
 import pytest
+import torch
 
 from attnforge import explain
 from attnforge.backends.cute_sm90 import compile as cc
@@ -126,3 +127,36 @@ def test_the_small_softcap_keeps_the_fixed_max_in_fp32s_range():
     assert -a - offset >= -126 + 1  # a bit to spare
     assert not variants.fixed_max_serves(dataclasses.replace(PROBLEM, softcap_large=True))
     assert variants.fixed_max_serves(PROBLEM)
+
+
+def fixed_offset_attention(capped: torch.Tensor, v: torch.Tensor, cap: float, fixed_p_log2: float) -> torch.Tensor:
+    """The FIXED_MAX softmax's arithmetic in torch: P = exp2(x - f) in fp32 with x = capped score * log2(e) and
+    f = max(0, cap * log2(e) - fixed_p_log2), flushed to 0 below 2^-126 as MUFU.EX2 does, rounded to bf16 for P @ V,
+    summed in fp32; rows whose every P flushed give 0 (the kernel's "saw no key")."""
+    a = cap * math.log2(math.e)
+    p = torch.exp2(capped.float() * math.log2(math.e) - max(a - fixed_p_log2, 0.0))
+    p = torch.where(p < 2.0 ** -126, 0.0, p)
+    total = p.sum(-1, keepdim=True)
+    return (p.bfloat16().float() @ v.float()) / torch.where(total == 0, 1.0, total)
+
+
+@pytest.mark.parametrize("cap", [1.0, 30.0, SMALL_SOFTCAP, 60.0])
+def test_the_fixed_offset_softmax_is_exact_to_bf16_up_to_the_small_softcap_and_not_beyond(cap):
+    """The template's FIXED_MAX arithmetic on the rows that strain it most (every score at -cap, at +cap, mixed)
+    against fp64 softmax: within bf16's rounding up to SMALL_SOFTCAP; at a cap of 60 the rows at -cap flush to 0,
+    which is why larger caps keep the running max."""
+    text = (resources.files("attnforge") / "templates" / cc.TEMPLATE).read_text()
+    fixed_p_log2 = float(re.search(r"^FIXED_P_LOG2 = ([0-9.]+)$", text, re.M).group(1))
+    gen = torch.Generator().manual_seed(0)
+    keys = 1023
+    capped = torch.stack([torch.full((keys,), -cap), torch.full((keys,), cap),  # every score at one end
+                          cap * torch.tanh(4 * torch.randn(keys, generator=gen)),  # scores all over [-cap, cap]
+                          -cap + torch.rand(keys, generator=gen) * 1e-3 * cap]).double()  # a hair above -cap
+    v = torch.randn(keys, 64, generator=gen, dtype=torch.float64).bfloat16().double()
+    want = torch.softmax(capped, -1) @ v
+    got = fixed_offset_attention(capped, v, cap, fixed_p_log2).double()
+    err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+    if cap <= SMALL_SOFTCAP:
+        assert err < 2 ** -7, err  # bf16 P's rounding (2^-9 relative per P), averaged over the keys
+    else:
+        assert not err < 2 ** -7, err
