@@ -5,7 +5,9 @@ same inputs, with the copy bandwidth of this GPU measured in that run as the roo
 Kernel speed, not model speed: one attention call per timing (the cache append is not in it). Each is timed
 eagerly (host work included: attention_with_kvcache checks the lengths and block table on the host, one sync;
 " unchecked" is check_inputs=False, no host read) and replayed from a CUDA graph (" graph": device time only, as a
-serving loop that captures decode runs it; attnforge's graph is the check_inputs=False call). Times are medians
+serving loop that captures decode runs it; attnforge's graph is the check_inputs=False call; a call much shorter
+than the graph's launch, as at batch 1, also counts that launch: benchmarks/decode_floor.py times such calls per
+layer from a graph of many). Times are medians
 of CUDA-event timings (triton.testing.do_bench), interleaved over rounds. Reported: TFLOP/s with FLOPs = 4 * batch
 * heads_q * seqlen_q * seqlen_k * head_dim, and KV bandwidth = the bytes of K and V read once (2 * batch *
 seqlen_k * heads_kv * head_dim * element size: 1 for the " fp8" rows, an e4m3 copy of the cache) per second. Outputs
