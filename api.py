@@ -13,9 +13,9 @@ from .dispatch import registry
 from .dispatch.call import Call
 from .dispatch.decision import Decision
 from .dispatch.mask import CAUSAL, NONE, Mask
-from .dispatch.problem import (SMALL_SOFTCAP, Problem, alibi_slopes_of, check_attn_mask, check_causal, check_deterministic,
+from .dispatch.problem import (Problem, alibi_slopes_of, check_attn_mask, check_causal, check_deterministic,
                                check_dropout, check_scale, check_sinks, check_softcap, dtype_name, problem_from_tensors,
-                               validate_tensors)
+                               softcap_fields, validate_tensors)
 from .dispatch.select import decide, decide_call, forced_backend
 from .errors import BackendUnavailableError, InvalidInputError
 
@@ -275,8 +275,7 @@ def _run(q, k, v, mask: Mask, scale, dropout_p, layout, return_lse, backend, des
         needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sinks))
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes_of(alibi_slopes, q, layout)
-    decision = decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend, needs_grad, softcap=softcap > 0,
-                           softcap_large=softcap > SMALL_SOFTCAP,
+    decision = decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend, needs_grad, softcap=softcap,
                            sinks=sinks is not None, alibi=alibi_slopes is not None, deterministic=deterministic)
     scale = check_scale(scale, q.shape[-1])
     if layout == "bshd":
@@ -401,8 +400,7 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
                                        dropout_p=dropout_p,
                                        return_lse=return_lse,
                                        needs_grad=needs_grad or q.requires_grad or k.requires_grad or v.requires_grad,
-                                       softcap=check_softcap(softcap) > 0, softcap_large=softcap > SMALL_SOFTCAP,
-                                       sinks=bool(sinks), alibi=bool(alibi),
+                                       softcap=check_softcap(softcap), sinks=bool(sinks), alibi=bool(alibi),
                                        deterministic=check_deterministic(deterministic))
     else:
         missing = [n for n, x in (("dtype", dtype), ("head_dim", head_dim), ("seqlen_q", seqlen_q)) if x is None]
@@ -414,8 +412,7 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
                           dtype=dtype_name(dtype), device=spec or devices.detect(),
                           mask=_causal_mask(causal, window_size),
                           dropout=check_dropout(dropout_p) > 0, needs_grad=bool(needs_grad),
-                          return_lse=bool(return_lse), softcap=check_softcap(softcap) > 0,
-                          softcap_large=softcap > SMALL_SOFTCAP,
+                          return_lse=bool(return_lse), **softcap_fields(check_softcap(softcap)),
                           sinks=bool(sinks), alibi=bool(alibi), deterministic=check_deterministic(deterministic))
     if kv_cache or varlen:
         problem = dataclasses.replace(problem, kv_cache=kv_cache, kv_dtype=kv_dtype, varlen=bool(varlen))

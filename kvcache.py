@@ -14,7 +14,7 @@ import torch
 from .api import _causal_mask
 from .dispatch.call import Call, KVCache
 from .dispatch.device import detect
-from .dispatch.problem import SMALL_SOFTCAP, Problem, check_scale, check_sinks, check_softcap, dtype_name
+from .dispatch.problem import Problem, check_scale, check_sinks, check_softcap, dtype_name, softcap_fields
 from .dispatch.registry import get
 from .dispatch.select import decide_keyed, forced_backend, record
 from .errors import InvalidInputError
@@ -96,11 +96,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ends = ends + new
     forced = forced_backend(backend)
     key = ("kvcache", q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, device, paged, longest, mask,
-           softcap > 0, softcap > SMALL_SOFTCAP, sinks is not None, bool(return_lse), forced)
+           softcap, sinks is not None, bool(return_lse), forced)
     decision = decide_keyed(key, lambda: Problem(
         batch=batch, heads_q=heads_q, heads_kv=k_cache.shape[2], seqlen_q=seqlen_q, seqlen_k=longest,
         head_dim=head_dim, head_dim_v=v_cache.shape[3], dtype=dtype_name(q.dtype), device=detect(device), mask=mask,
-        return_lse=bool(return_lse), softcap=softcap > 0, softcap_large=softcap > SMALL_SOFTCAP, sinks=sinks is not None,
+        return_lse=bool(return_lse), **softcap_fields(softcap), sinks=sinks is not None,
         kv_cache="paged" if paged else "contiguous", kv_dtype="fp8" if descale is not None else ""), *forced)
     record(decision)
     cache = KVCache(ends.to(torch.int32), starts, block_table, longest, num_splits, descale)

@@ -24,7 +24,7 @@ import torch
 from .dispatch import registry
 from .dispatch.call import Call
 from .dispatch.mask import Mask
-from .dispatch.problem import SMALL_SOFTCAP, check_scale, check_softcap
+from .dispatch.problem import check_scale, check_softcap
 
 
 def _mask(attn_mask: Optional[torch.Tensor], causal: bool, top_left: bool, window: tuple[int, int]) -> Mask:
@@ -40,8 +40,7 @@ def _decide(q, k, v, attn_mask, causal, top_left, window, scale, needs_grad, ret
 
     mask = _mask(attn_mask, causal, top_left, window)
     decision = decide_call(q, k, v, "bhsd", mask, 0.0, return_lse, backend, needs_grad=needs_grad,
-                           softcap=softcap > 0, softcap_large=softcap > SMALL_SOFTCAP, sinks=sinks is not None,
-                           alibi=alibi_slopes is not None,
+                           softcap=softcap, sinks=sinks is not None, alibi=alibi_slopes is not None,
                            deterministic=deterministic)
     call = Call(q, k, v, scale, mask, attn_mask=attn_mask, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     return decision, call

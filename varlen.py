@@ -12,13 +12,14 @@ could not.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import weakref
 
 import torch
 
 from .dispatch.call import Call, Varlen
-from .dispatch.problem import (SMALL_SOFTCAP, Problem, check_deterministic, check_scale, check_sinks, check_softcap,
+from .dispatch.problem import (Problem, check_deterministic, check_scale, check_sinks, check_softcap,
                                problem_from_tensors)
 from .dispatch.registry import get
 from .dispatch.select import decide_keyed, forced_backend, record
@@ -92,20 +93,15 @@ def decide(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask
         alibi_slopes = _slopes(alibi_slopes, sequences, q)
     forced = forced_backend(backend)
     key = ("varlen", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, sequences,
-           longest_q, longest_k, mask, softcap > 0, softcap > SMALL_SOFTCAP, sinks is not None, alibi_slopes is not None, bool(return_lse),
+           longest_q, longest_k, mask, softcap, sinks is not None, alibi_slopes is not None, bool(return_lse),
            needs_grad, deterministic, forced)
 
     def problem() -> Problem:
         dense = problem_from_tensors(q4, k4, v4, layout="bshd", mask=mask, return_lse=bool(return_lse),
-                                     needs_grad=needs_grad, softcap=softcap > 0, softcap_large=softcap > SMALL_SOFTCAP,
-                                     sinks=sinks is not None,
+                                     needs_grad=needs_grad, softcap=softcap, sinks=sinks is not None,
                                      alibi=alibi_slopes is not None, deterministic=deterministic)
-        return Problem(batch=sequences, heads_q=dense.heads_q, heads_kv=dense.heads_kv, seqlen_q=longest_q,
-                       seqlen_k=longest_k, head_dim=dense.head_dim, head_dim_v=dense.head_dim_v, dtype=dense.dtype,
-                       device=dense.device, mask=mask, needs_grad=needs_grad, return_lse=bool(return_lse),
-                       softcap=softcap > 0, softcap_large=softcap > SMALL_SOFTCAP, sinks=sinks is not None,
-                       alibi=alibi_slopes is not None,
-                       deterministic=deterministic, varlen=True)
+        # (the packed layout's one "batch" of total tokens, as the sequences and longest lengths it holds)
+        return dataclasses.replace(dense, batch=sequences, seqlen_q=longest_q, seqlen_k=longest_k, varlen=True)
 
     decision = decide_keyed(key, problem, *forced)
     record(decision)

@@ -171,9 +171,10 @@ def validate_tensors(q, k, v, layout: str) -> None:
 
 def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: str = "bhsd", mask: Mask = Mask(),
                          dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None,
-                         softcap: bool = False, sinks: bool = False, alibi: bool = False,
-                         deterministic: bool = False, softcap_large: bool = False) -> Problem:
-    """Validate q, k, v and describe them as a Problem on ``device`` (default: the tensors' device)."""
+                         softcap: float = 0.0, sinks: bool = False, alibi: bool = False,
+                         deterministic: bool = False) -> Problem:
+    """Validate q, k, v and describe them as a Problem on ``device`` (default: the tensors' device); ``softcap`` is
+    the cap's value (0: none), which softcap_fields turns into the Problem's fields."""
     validate_tensors(q, k, v, layout)
     if device is None:
         device = detect(q.device)
@@ -183,9 +184,8 @@ def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: s
     return Problem(batch=q.shape[0], heads_q=q.shape[h], heads_kv=k.shape[h], seqlen_q=q.shape[s],
                    seqlen_k=k.shape[s], head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=_NAME_OF[q.dtype],
                    device=device, mask=mask, dropout=check_dropout(dropout_p) > 0,
-                   needs_grad=bool(needs_grad), return_lse=bool(return_lse), softcap=bool(softcap),
-                   softcap_large=bool(softcap_large), sinks=bool(sinks), alibi=bool(alibi),
-                   deterministic=bool(deterministic))
+                   needs_grad=bool(needs_grad), return_lse=bool(return_lse), **softcap_fields(softcap),
+                   sinks=bool(sinks), alibi=bool(alibi), deterministic=bool(deterministic))
 
 
 # The largest softcap whose capped scores fit one fixed softmax offset in bf16, so a kernel may skip the running row
@@ -194,6 +194,11 @@ def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: s
 # (exp2 flushes below 2^-126) for a <= 79, softcap <= 54.7. 54 keeps a margin, and covers Gemma 2's 50 and
 # Grok-1's 30. Problem.softcap_large says a call's cap is above it.
 SMALL_SOFTCAP = 54.0
+
+
+def softcap_fields(softcap: float) -> dict[str, bool]:
+    """The Problem's fields for a cap's value (0: none): whether there is one, and whether it is above SMALL_SOFTCAP."""
+    return {"softcap": softcap > 0, "softcap_large": softcap > SMALL_SOFTCAP}
 
 
 def check_softcap(softcap) -> float:

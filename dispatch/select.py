@@ -261,26 +261,24 @@ _CALL_CACHE_LIMIT = 4096
 
 
 def decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend, needs_grad: bool | None = None,
-                softcap: bool = False, sinks: bool = False, alibi: bool = False, deterministic: bool = False,
-                softcap_large: bool = False) -> Decision:
+                softcap: float = 0.0, sinks: bool = False, alibi: bool = False, deterministic: bool = False) -> Decision:
     """The Decision for this call. A repeated call signature (shapes, dtypes, devices, flags, forcing)
     is a dict lookup: it was validated when first seen, so the hot path stays in microseconds.
     ``needs_grad`` defaults to what grad mode and the inputs' requires_grad say (the compiled path's op,
-    whose inputs never require grad, passes what its traced call said)."""
+    whose inputs never require grad, passes what its traced call said). ``softcap``: the cap's value (0: none)."""
     forced, how = forced_backend(backend)
     try:
         if needs_grad is None:
             needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout,
-               mask, dropout_p, return_lse, needs_grad, forced, how, softcap, softcap_large, sinks, alibi, deterministic)
+               mask, dropout_p, return_lse, needs_grad, forced, how, softcap, sinks, alibi, deterministic)
         entry = _CALL_CACHE.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the slow path says what
         key, entry = None, None
     if entry is None:
         problem = problem_from_tensors(q, k, v, layout=layout, mask=mask, dropout_p=dropout_p,
-                                       return_lse=return_lse, needs_grad=needs_grad, softcap=softcap,
-                                       softcap_large=softcap_large,
-                                       sinks=sinks, alibi=alibi, deterministic=deterministic)
+                                       return_lse=return_lse, needs_grad=needs_grad, softcap=softcap, sinks=sinks,
+                                       alibi=alibi, deterministic=deterministic)
         decision = decide(problem, forced, how)
         if not decision.ok:
             raise BackendUnavailableError(str(decision))
