@@ -139,36 +139,26 @@ def main() -> None:
             if args.softcap > 0:  # the kernel's SOFTCAP arguments (cute_host.score_arguments)
                 scores, scale_log2 = (d ** -0.5 / args.softcap,), args.softcap * math.log2(math.e)
             for causal in causals:
-                outs = {}
-                runners = {}
-                for tile in tiles:
-                    name = tile.module(d, kind)
+                outs, runners = {}, {}
+
+                def add(name, tile, log2_scale, kernel_scores):
+                    """A runner of the kernel ``name`` into its own NaN-poisoned output, run once (its output kept)."""
                     out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
                     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
                     run = (lambda kernel=kernels[name, causal], tile=tile, out=out, lse=lse:
-                           run_kernel(kernel, tile, q, k, v_in, out, lse, scale_log2, causal=causal, ctas=ctas,
-                                      scores=scores, **extra))
+                           run_kernel(kernel, tile, q, k, v_in, out, lse, log2_scale, causal=causal, ctas=ctas,
+                                      scores=kernel_scores, **extra))
                     run()
-                    outs[name] = (out.clone(), lse.clone())
-                    runners[name] = run
+                    outs[name], runners[name] = (out.clone(), lse.clone()), run
+
+                for tile in tiles:
+                    add(tile.module(d, kind), tile, scale_log2, scores)
                 base = tiles[0].module(d, kind)
                 plain = base + PLAIN
-                if args.softcap > 0:
-                    out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-                    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-                    runners[plain] = (lambda kernel=kernels[plain, causal], tile=tiles[0], out=out, lse=lse:
-                                      run_kernel(kernel, tile, q, k, v_in, out, lse, d ** -0.5 * math.log2(math.e),
-                                                 causal=causal, ctas=ctas, **extra))
+                if args.softcap > 0:  # the plain kernel: no SOFTCAP arguments, the plain scale
+                    add(plain, tiles[0], d ** -0.5 * math.log2(math.e), ())
                 for tile in tiles if args.softcap > 0 and args.fixed_max else ():  # the SOFTCAP kernel's arguments
-                    name = tile.module(d, kind) + FIXED
-                    out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-                    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-                    run = (lambda kernel=kernels[name, causal], tile=tile, out=out, lse=lse:
-                           run_kernel(kernel, tile, q, k, v_in, out, lse, scale_log2, causal=causal, ctas=ctas,
-                                      scores=scores, **extra))
-                    run()
-                    outs[name] = (out.clone(), lse.clone())
-                    runners[name] = run
+                    add(tile.module(d, kind) + FIXED, tile, scale_log2, scores)
                 ref = reference(q[:1, :2].float(), k[:1, :2].float(), v[:1, :2].float(), causal, args.softcap)
 
                 def rel_err(o):  # NaN stays NaN

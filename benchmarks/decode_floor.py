@@ -9,9 +9,9 @@ A call this small is over in ~15 us, so how it is timed decides what is seen:
   the GPU waits for when the call is shorter than the host's launch.
 Both are medians of CUDA-event timings (triton.testing.do_bench, L2 flushed before each replay). Beside them: a
 device copy of the same bytes (16.8 MB to 16.8 MB: 33.5 MB moved, as a decode reads its cache once), the 2 GiB copy
-bandwidth (the roofline docs/performance.md measures decode against), SDPA (enable_gqa) on the same caches, and one "layers" replay under
-torch.profiler: each kernel's own device time. KV bandwidth = K and V bytes read once per call / time. Outputs are
-checked against fp32 math first. Kernel speed, not model speed.
+bandwidth (the roofline docs/performance.md measures decode against), SDPA (enable_gqa) on the same caches, and
+one "layers" replay under torch.profiler: each kernel's own device time. KV bandwidth = K and V bytes read once per
+call / time. Outputs are checked against fp32 math first. Kernel speed, not model speed.
 
     python benchmarks/decode_floor.py [--layers 16] [--json out.json]
 """
@@ -26,24 +26,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench_kvcache import copy_bandwidth  # noqa: E402 (run from benchmarks/, which Python puts on the path)
+from bench_kvcache import copy_bandwidth, graphed  # noqa: E402 (run from benchmarks/, which Python puts on the path)
 
 BATCH, SEQLEN, HEADS_Q, HEADS_KV, HEAD_DIM = 1, 8192, 32, 8, 128
 
 
 def graph_of(fns):
-    """One CUDA graph running ``fns`` in order (captured after a warm-up on a side stream): its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    return graph.replay
+    """One CUDA graph running ``fns`` in order: its replay (bench_kvcache.graphed of their sequence)."""
+    return graphed(lambda: [fn() for fn in fns])
 
 
 def median_us(fn) -> float:
@@ -93,12 +83,14 @@ def main(argv=None) -> int:
                 raise SystemExit(f"{name}: max error {err:.3g} against fp32 math (bound {bound:.3g})")
 
     rows = {"kv_bytes": kv_bytes, "copy_2gib_bytes_per_s": copy_bps, "layers": args.layers, "runners": {}}
+    replays = {}  # name -> the replay of its graph of LAYERS calls
     for name, make in makers.items():
         if make is None:
             calls = [lambda s=s, d=d: d.copy_(s) for s, d in zip(src, dst)]
         else:
             calls = [make(kc, vc) for kc, vc in caches]
-        per_layer = median_us(graph_of(calls)) / args.layers
+        replays[name] = graph_of(calls)
+        per_layer = median_us(replays[name]) / args.layers
         one = median_us(graph_of(calls[:1]))
         rows["runners"][name] = {"layers_us_per_call": per_layer, "one_call_us": one}
         print(f"{name:32s} layers: {per_layer:7.2f} us/call, {kv_bytes / per_layer / 1e6:5.2f} TB/s "
@@ -107,24 +99,21 @@ def main(argv=None) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    rows["profiled_us"] = {}
-    for name in ("attnforge (heuristic splits)",):
-        replay = graph_of([makers[name](kc, vc) for kc, vc in caches])
+    name = "attnforge (heuristic splits)"  # its kernels' own device times, per layer
+    for _ in range(10):
+        replays[name]()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
-            replay()
+            replays[name]()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                replay()
-            torch.cuda.synchronize()
-        kernels = {}
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                kernels.setdefault(event.name, []).append(event.device_time)
-        rows["profiled_us"][name] = {kernel: statistics.median(times) for kernel, times in kernels.items()}
-        for kernel, times in kernels.items():
-            print(f"  {name}: kernel {kernel[:40]:40s} x{len(times)} median {statistics.median(times):.2f} us",
-                  flush=True)
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time)
+    rows["profiled_us"] = {name: {kernel: statistics.median(times) for kernel, times in kernels.items()}}
+    for kernel, times in kernels.items():
+        print(f"  {name}: kernel {kernel[:40]:40s} x{len(times)} median {statistics.median(times):.2f} us", flush=True)
     print(f"2 GiB copy: {copy_bps / 1e12:.3f} TB/s; 80% of it for {kv_bytes / 1e6:.1f} MB: "
           f"{kv_bytes / (0.8 * copy_bps) * 1e6:.2f} us")
     if args.json:

@@ -52,7 +52,8 @@ class Sm90Variant(CuteVariant):
 
     @property
     def module(self) -> str:
-        return self.tile.module(self.head_dim, self.kind) + self.feature_suffix + ("_fixedmax" if self.fixed_max else "")
+        fixed = "_fixedmax" if self.fixed_max else ""
+        return self.tile.module(self.head_dim, self.kind) + self.feature_suffix + fixed
 
     @property
     def source(self) -> Source:

@@ -295,7 +295,7 @@ FIXED_MAX_EXP2_FMA_EVERY = ((64, 3),)  # (largest head dim, one in n columns)
 
 
 def fixed_max_tile(tile: Sm90FwdTile, head_dim: int) -> Sm90FwdTile:
-    """The tile a FIXED_MAX softcap forward of ``head_dim`` runs: ``tile`` with FIXED_MAX_EXP2_FMA_EVERY's exp2 split."""
+    """The tile a FIXED_MAX softcap forward of ``head_dim`` runs: ``tile`` with FIXED_MAX_EXP2_FMA_EVERY's split."""
     every = next((n for bound, n in FIXED_MAX_EXP2_FMA_EVERY if head_dim <= bound), 0)
     return dataclasses.replace(tile, exp2_fma_every=every) if every else tile
 
