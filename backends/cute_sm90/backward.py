@@ -108,14 +108,19 @@ def compile_arguments(module, dtype: str, causal: bool, arch: str):
                                                             alibi=getattr(module, "ALIBI", False))
 
 
-def row_statistics(out, dout, lse, dlse, tile_m: int, use_triton: bool | None = None):
+def row_statistics(out, dout, lse, dlse, tile_m: int, use_triton: bool | None = None, dq_accum=None):
     """(LSE * log2(e), delta = rowsum(dO * O) - dLSE), fp32 (batch, heads, seqlen_q rounded up to ``tile_m``): what
     the kernel's TMA loads a query block of. A row that saw no key (LSE -inf) gets +inf, so that its P is 0; padding
-    rows get +inf and 0 (their Q and dO load as zeros). One Triton kernel on CUDA (bwd_rows_kernel.py; ``use_triton``
+    rows get +inf and 0 (their Q and dO load as zeros). ``dq_accum``, the kernel's fp32 dQ accumulator (contiguous,
+    out's shape), is set to zero in the same pass. One Triton kernel on CUDA (bwd_rows_kernel.py; ``use_triton``
     forces it, e.g. in Triton's interpreter), torch elsewhere."""
     b, h, n = lse.shape
     padded = math.ceil(max(n, 1) / tile_m) * tile_m
+    if dq_accum is not None:
+        assert dq_accum.shape == out.shape and dq_accum.dtype == torch.float32 and dq_accum.is_contiguous()
     if not (out.is_cuda if use_triton is None else use_triton):
+        if dq_accum is not None:
+            dq_accum.zero_()
         return _row_statistics_torch(out, dout, lse, dlse, padded)
     from . import bwd_rows_kernel as k
 
@@ -124,9 +129,10 @@ def row_statistics(out, dout, lse, dlse, tile_m: int, use_triton: bool | None = 
     lse2 = torch.empty((b, h, padded), dtype=torch.float32, device=lse.device)
     delta = torch.empty_like(lse2)
     dlse_arg = lse if dlse is None else dlse.float().contiguous()  # not read without dlse
+    acc = lse2 if dq_accum is None else dq_accum  # not written without dq_accum
     if b * h:
-        args = (out, dout, lse, dlse_arg, lse2, delta, int(dlse is not None), n, padded, h, *_units(out),
-                *_units(dout))
+        args = (out, dout, lse, dlse_arg, lse2, delta, acc, int(dlse is not None), int(dq_accum is not None), n,
+                padded, h, *_units(out), *_units(dout))
         launch(k.row_statistics, (-(-padded // k.BLOCK_ROWS), b * h), args, _dims(out.shape[-1]), k.NUM_WARPS,
                k.NUM_STAGES)
     return lse2, delta
@@ -217,8 +223,8 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     dq_scale = scale
     q, scale = nonnegative_scale(q, scale)
     q, k, v, dout = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(dout)
-    lse2, delta = row_statistics(out, dout, lse, dlse, variant.tile.tile_m)
-    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by row_statistics
+    lse2, delta = row_statistics(out, dout, lse, dlse, variant.tile.tile_m, dq_accum=dq_accum)
     # deterministic: how many key blocks have added into each query block's dQ (else unread: one per head)
     blocks = lse2.shape[-1] // variant.tile.tile_m if variant.deterministic else 1
     dq_order = torch.zeros((*q.shape[:2], blocks), dtype=torch.int32, device=q.device)

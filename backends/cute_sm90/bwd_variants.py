@@ -86,13 +86,17 @@ class Sm90BwdTile:
     # two warpgroups share tile_n = 64 keys and split the head dim (SPLIT_HEAD_DIM in the template: P^T and dS^T
     # through shared memory), for head dims whose dK and dV do not fit one warpgroup's registers
     split_head_dim: bool = False
+    # the LSE and delta of a query block read into registers while S^T's and dP^T's WGMMAs run (STATS_AHEAD in the
+    # template), not in the loops after the waits
+    stats_ahead: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
         return 2 if self.split_head_dim else self.tile_n // 64
 
     def module(self, head_dim: int) -> str:
-        return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{'_sd' if self.split_head_dim else ''}"
+        return (f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{'_sd' if self.split_head_dim else ''}"
+                f"{'_sa' if self.stats_ahead else ''}")
 
     def params(self, head_dim: int) -> dict:
         return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": kernel_head_dim(head_dim)}
@@ -116,11 +120,12 @@ class Sm90BwdTile:
         if self.split_head_dim:
             half = head_dim // 2
             return (2 * 64 * half + max(2 * 64 * self.tile_m // 2, self.tile_m * half)) // 128 + REGISTER_OVERHEAD
-        return (2 * 64 * head_dim + 2 * 64 * self.tile_m + 64 * self.tile_m // 2) // 128 + REGISTER_OVERHEAD
+        stats = self.tile_m // 4 if self.stats_ahead else 0  # a thread's columns' LSE (or delta)
+        return (2 * 64 * head_dim + 2 * 64 * self.tile_m + 64 * self.tile_m // 2) // 128 + stats + REGISTER_OVERHEAD
 
     def describe(self) -> str:
         return (f"{self.tile_m}x{self.tile_n} s{self.q_stages} {self.consumer_warpgroups} consumer warpgroups"
-                f"{' splitting the head dim' if self.split_head_dim else ''}")
+                f"{' splitting the head dim' if self.split_head_dim else ''}{', row stats ahead' if self.stats_ahead else ''}")
 
 
 def kernel_head_dim(head_dim: int) -> int:

@@ -91,7 +91,7 @@ def test_large_scores_and_the_lse_gradient(head_dim, causal, gen):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_and_dq_kernels_on_the_gpu(dtype, gen, poisoned_empty):
     """The Triton kernels around the backward kernel, compiled for the GPU: delta and the log2 LSE against fp64
-    math, dQ the scaled accumulator rounded once to nearest even, in q's (bshd view) strides; outputs poisoned."""
+    math, the dQ accumulator zeroed in the same pass, dQ the scaled accumulator rounded once to nearest even, in q's (bshd view) strides; outputs poisoned."""
     from attnforge.backends.cute_sm90.backward import dq_from_accumulator, row_statistics
 
     torch_dtype = DTYPES[dtype]
@@ -99,7 +99,9 @@ def test_row_and_dq_kernels_on_the_gpu(dtype, gen, poisoned_empty):
                     for _ in range(3))
     lse, dlse = (torch.randn(2, 3, 113, generator=gen).to("cuda") for _ in range(2))
     lse[0, 1, 7] = -math.inf
-    lse2, delta = row_statistics(out, dout, lse, dlse, tile_m=64)
+    dq_accum = torch.full((2, 3, 113, 128), math.nan, device="cuda")
+    lse2, delta = row_statistics(out, dout, lse, dlse, tile_m=64, dq_accum=dq_accum)
+    assert (dq_accum == 0).all()
     want = (out.double() * dout.double()).sum(-1) - dlse.double()
     torch.testing.assert_close(delta[..., :113].double(), want, atol=1e-5, rtol=1e-5)
     want_lse2 = torch.where(lse == -math.inf, math.inf, lse.double() * math.log2(math.e))

@@ -1,7 +1,7 @@
 """The Triton kernels around the cute_sm90 backward (backends/cute_sm90/bwd_rows_kernel.py) in Triton's
 interpreter on CPU, into poisoned (NaN) outputs, against fp64 math: the row statistics (log2 LSE, +inf for rows
-that saw no key, delta = rowsum(dO * O) - dLSE, padding rows +inf and 0) and dQ = scale * the accumulator in q's
-dtype and strides. Run by ../test_backward_host.py with TRITON_INTERPRET=1."""
+that saw no key, delta = rowsum(dO * O) - dLSE, padding rows +inf and 0; the dQ accumulator zeroed in the same pass)
+and dQ = scale * the accumulator in q's dtype and strides. Run by ../test_backward_host.py with TRITON_INTERPRET=1."""
 
 import math
 
@@ -21,7 +21,9 @@ def test_row_statistics_match_fp64(seqlen, head_dim, with_dlse, dtype, gen, pois
     lse = torch.randn(2, 3, seqlen, generator=gen)
     lse[1, 2, 0] = -math.inf  # a row that saw no key
     dlse = torch.randn(2, 3, seqlen, generator=gen) if with_dlse else None
-    lse2, delta = backward.row_statistics(out, dout, lse, dlse, tile_m=64, use_triton=True)
+    dq_accum = torch.full((2, 3, seqlen, head_dim), math.nan)  # the backward's dQ accumulator, set to 0 in the pass
+    lse2, delta = backward.row_statistics(out, dout, lse, dlse, tile_m=64, use_triton=True, dq_accum=dq_accum)
+    assert (dq_accum == 0).all()
     padded = -(-seqlen // 64) * 64
     assert lse2.shape == delta.shape == (2, 3, padded)
     want = (out.double() * dout.double()).sum(-1) - (0 if dlse is None else dlse.double())
