@@ -16,7 +16,7 @@ from .dispatch.call import Call, KVCache
 from .dispatch.device import detect
 from .dispatch.problem import Problem, check_scale, check_sinks, check_softcap, dtype_name, softcap_fields
 from .dispatch.registry import get
-from .dispatch.select import decide_keyed, forced_backend, record
+from .dispatch.select import decide_keyed, forced_backend
 from .errors import InvalidInputError
 
 
@@ -102,7 +102,6 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         head_dim=head_dim, head_dim_v=v_cache.shape[3], dtype=dtype_name(q.dtype), device=detect(device), mask=mask,
         return_lse=bool(return_lse), **softcap_fields(softcap), sinks=sinks is not None,
         kv_cache="paged" if paged else "contiguous", kv_dtype="fp8" if descale is not None else ""), *forced)
-    record(decision)
     cache = KVCache(ends.to(torch.int32), starts, block_table, longest, num_splits, descale)
     call = Call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                 check_scale(scale, head_dim), mask, softcap=softcap, sinks=sinks, cache=cache)

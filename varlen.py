@@ -22,7 +22,7 @@ from .dispatch.call import Call, Varlen
 from .dispatch.problem import (Problem, check_deterministic, check_scale, check_sinks, check_softcap,
                                problem_from_tensors)
 from .dispatch.registry import get
-from .dispatch.select import decide_keyed, forced_backend, record
+from .dispatch.select import decide_keyed, forced_backend
 from .errors import InvalidInputError
 from .op import lse_dtype
 
@@ -104,7 +104,6 @@ def decide(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask
         return dataclasses.replace(dense, batch=sequences, seqlen_q=longest_q, seqlen_k=longest_k, varlen=True)
 
     decision = decide_keyed(key, problem, *forced)
-    record(decision)
     packed = Varlen(cu_seqlens_q, cu_seqlens_k, longest_q, longest_k, (tuple(bounds_q), tuple(bounds_k)))
     qh, kh, vh = (t.transpose(1, 2) for t in (q4, k4, v4))  # (1, heads, total, dim) views, the Call's order
     call = Call(qh, kh, vh, check_scale(scale, q.shape[-1]), mask, softcap=softcap, sinks=sinks,

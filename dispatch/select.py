@@ -319,30 +319,20 @@ def _remember(key, decision: Decision) -> tuple[int, Decision]:
     return entry
 
 
-# entry points with call keys of their own (attention_with_kvcache): key -> Decision, cleared by clear_caches()
-_KEYED: dict[tuple, Decision] = {}
-
-
 def decide_keyed(key: tuple, problem_of, forced: str | None, how: str) -> Decision:
-    """decide(problem_of(), forced, how) for an entry point that keys its calls itself (shapes, flags, forcing: all
-    the problem depends on), so that a repeated call skips building the Problem; raises BackendUnavailableError
-    when nothing serves it."""
-    decision = _KEYED.get(key)
-    if decision is None:
+    """decide(problem_of(), forced, how) for an entry point that keys its calls itself (attention_with_kvcache,
+    attention_varlen: a key whose first item names the entry point, then shapes, flags, forcing: all the problem
+    depends on), so that a repeated call skips building the Problem; raises BackendUnavailableError when nothing
+    serves it. Its Decision becomes this context's last and is logged, as decide_call's."""
+    entry = _CALL_CACHE.get(key)
+    if entry is None:
         decision = decide(problem_of(), forced, how)
         if not decision.ok:
             raise BackendUnavailableError(str(decision))
-        if len(_KEYED) >= _CALL_CACHE_LIMIT:
-            _KEYED.clear()
-        _KEYED[key] = decision
-    return decision
-
-
-def record(decision: Decision) -> None:
-    """Log ``decision`` as the last of this context and among decisions(): for entry points that decide a
-    Problem themselves (attention_with_kvcache) rather than through decide_call."""
-    entry = _remember(None, decision)
-    _last.set(entry)
+        entry = _remember(key, decision)
+    if _last.get() is not entry:  # (see decide_call)
+        _last.set(entry)
+    return entry[1]
 
 
 def last_decision() -> Decision | None:
@@ -366,6 +356,5 @@ def clear_caches() -> None:
     with _LOG_LOCK:
         decide.cache_clear()
         _CALL_CACHE.clear()
-        _KEYED.clear()
         _DISTINCT.clear()
         _generation += 1

@@ -13,7 +13,7 @@ import torch
 from ...codegen import Source
 from ...dispatch.problem import dtype_name
 from ...runtime import cute
-from ...runtime.triton_launch import launch
+from ...runtime.triton_launch import launch, next_power_of_2
 from ..shared.cute_host import LOG2_E, CuteVariant, elements, fake_packed, fake_scores, score_arguments, tma_ready
 from ..shared.cute_varlen import key_tables, packed_rows
 from ..shared.inputs import nonnegative_scale
@@ -188,11 +188,9 @@ def _units(x: torch.Tensor) -> tuple[int, int, int]:
 
 def _dims(head_dim: int) -> dict:
     """The kernels' constexprs for ``head_dim``: D is its tile width, the next power of two."""
-    import triton
-
     from . import bwd_rows_kernel as k
 
-    return {"BLOCK_ROWS": k.BLOCK_ROWS, "HEAD_DIM": head_dim, "D": triton.next_power_of_2(head_dim)}
+    return {"BLOCK_ROWS": k.BLOCK_ROWS, "HEAD_DIM": head_dim, "D": next_power_of_2(head_dim)}
 
 
 def aot_builds(dtype: str, head_dim: int, arch: str = "sm90") -> list:
