@@ -6,11 +6,12 @@
 #   gqa    a Llama-style GQA 32/8 causal training shape (d=128, N=8k, batch 2) against cuDNN and FA4.
 #   sweep  the table's backward kernels, served or not (benchmarks/sweep_bwd_sm90.py: each checked against fp64 first),
 #          at SWEEP_DIMS (default 256) and N=1k/4k/16k, beside cuDNN and FA4, deterministic forms included.
-#   twin   an A/B of one template option: the table's tiles at AB_DIMS (default 128) beside their twins with the
-#          boolean Sm90BwdTile field TWIN turned on (sweep_bwd_sm90.py --twin), N=1k/4k/16k, 5 rounds, with the peers.
+#   twin   an A/B of template options: the table's tiles at AB_DIMS (default 128) beside their twins with the boolean
+#          Sm90BwdTile fields of each word of TWIN turned on (fields joined by +; sweep_bwd_sm90.py --twin), N=1k/4k/16k,
+#          5 rounds, with the peers.
 #   profile where a step's GPU time goes at d=128, N=1k and 16k (benchmarks/profile_step.py), beside cuDNN and FA4.
 #   bash benchmarks/run_backward.sh OUTDIR;  STEPS="tests sweep" TESTS_K=256 bash benchmarks/run_backward.sh OUTDIR
-#   STEPS="twin profile" TWIN=stats_ahead bash benchmarks/run_backward.sh OUTDIR
+#   STEPS="twin profile" TWIN="stats_ahead ds_key_major stats_ahead+ds_key_major" bash benchmarks/run_backward.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: bash benchmarks/run_backward.sh OUTDIR}; mkdir -p "$out"
 source benchmarks/gpu_env.sh "$out"
@@ -31,7 +32,7 @@ for step in ${STEPS:-tests bench}; do
              --seqlen "${SWEEP_SEQLEN:-16384,4096,1024}" --rounds 3 --json "$out/sweep.json" 2>&1 | grep -v Warning \
              | tee "$out/sweep.txt" | tail -n 30 ;;
     twin) timeout "${TWIN_S:-420}" python3 benchmarks/sweep_bwd_sm90.py --head-dim "${AB_DIMS:-128}" \
-             --seqlen "${SWEEP_SEQLEN:-16384,4096,1024}" --rounds 5 --no-deterministic --twin "${TWIN:?TWIN=field}" \
+             --seqlen "${SWEEP_SEQLEN:-16384,4096,1024}" --rounds 5 --no-deterministic $(printf -- '--twin %s ' ${TWIN:?TWIN=field[+field] ...}) \
              --json "$out/twin.json" 2>&1 | grep -v Warning | tee "$out/twin.txt" | tail -n 30 ;;
     profile) timeout "${PROFILE_S:-180}" python3 benchmarks/profile_step.py --head-dim 128 --seqlen 1024,16384 \
              --json "$out/profile.json" 2>&1 | grep -v Warning | tee "$out/profile.txt" | tail -n 40 ;;

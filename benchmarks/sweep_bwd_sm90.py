@@ -12,8 +12,9 @@ committed beside them.
     python benchmarks/sweep_bwd_sm90.py [--head-dim 64,128] [--seqlen 16384] [--tokens 16384] [--rounds 3]
         [--jobs 8] [--twin stats_ahead] [--no-deterministic] [--json out.json]
 
---twin FIELD adds, beside each table tile, its twin with that boolean Sm90BwdTile field turned on (an A/B of one
-template option in the same rounds); --no-deterministic leaves out the deterministic forms.
+--twin FIELD[+FIELD...] adds, beside each table tile, its twin with those boolean Sm90BwdTile fields turned on (an A/B
+of template options in the same rounds; a twin the table's check refuses is left out); --no-deterministic leaves out
+the deterministic forms.
 """
 
 from __future__ import annotations
@@ -96,14 +97,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=8)
-    parser.add_argument("--twin", action="append", default=[], help="a boolean Sm90BwdTile field")
+    parser.add_argument("--twin", action="append", default=[], help="boolean Sm90BwdTile fields, joined by +")
     parser.add_argument("--no-deterministic", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     dims = [int(d) for d in args.head_dim.split(",")]
     forms = (False,) if args.no_deterministic else (False, True)
-    tiles = {d: [*tiles, *(dataclasses.replace(t, **{field: True}) for field in args.twin for t in tiles
-                           if not getattr(t, field))]
+    tiles = {d: [*tiles, *(twin for fields in args.twin for t in tiles
+                           for twin in [dataclasses.replace(t, **dict.fromkeys(fields.split("+"), True))]
+                           if twin != t and not check(twin, d))]
              for d, tiles in CANDIDATES.items()}
     variants = {(d, causal): [backward.Sm90BwdVariant(t, d, "bf16", causal, det)
                               for t in tiles[kernel_head_dim(d)]

@@ -89,6 +89,9 @@ class Sm90BwdTile:
     # the LSE and delta of a query block read into registers while S^T's and dP^T's WGMMAs run (STATS_AHEAD in the
     # template), not in the loops after the waits
     stats_ahead: bool = False
+    # dS stored keys-contiguous by the transposing stmatrix, so dQ = dS K reads it K-major (DS_KEY_MAJOR in the
+    # template); not with split_head_dim
+    ds_key_major: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -96,7 +99,7 @@ class Sm90BwdTile:
 
     def module(self, head_dim: int) -> str:
         return (f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{'_sd' if self.split_head_dim else ''}"
-                f"{'_sa' if self.stats_ahead else ''}")
+                f"{'_sa' if self.stats_ahead else ''}{'_dk' if self.ds_key_major else ''}")
 
     def params(self, head_dim: int) -> dict:
         return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": kernel_head_dim(head_dim)}
@@ -125,7 +128,8 @@ class Sm90BwdTile:
 
     def describe(self) -> str:
         return (f"{self.tile_m}x{self.tile_n} s{self.q_stages} {self.consumer_warpgroups} consumer warpgroups"
-                f"{' splitting the head dim' if self.split_head_dim else ''}{', row stats ahead' if self.stats_ahead else ''}")
+                f"{' splitting the head dim' if self.split_head_dim else ''}{', row stats ahead' if self.stats_ahead else ''}"
+                f"{', dS key-major' if self.ds_key_major else ''}")
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -151,6 +155,8 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
         if head_dim // 2 not in (64, 128):
             reasons.append(f"split_head_dim gives each warpgroup {head_dim // 2} of head_dim {head_dim}'s columns, not "
                            "a multiple of the 128-byte swizzle width")
+        if tile.ds_key_major:
+            reasons.append("split_head_dim reads dS's bytes as dS^T for dK: ds_key_major does not apply")
     elif tile.tile_n != 128:
         reasons.append(f"tile_n {tile.tile_n} != 128 (two consumer warpgroups of 64 keys)")
     if tile.tile_m not in (64, 128):
