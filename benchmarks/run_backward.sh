@@ -11,7 +11,8 @@
 #          5 rounds, with the peers.
 #   profile where a step's GPU time goes at d=128, N=1k and 16k (benchmarks/profile_step.py), beside cuDNN and FA4.
 #   bash benchmarks/run_backward.sh OUTDIR;  STEPS="tests sweep" TESTS_K=256 bash benchmarks/run_backward.sh OUTDIR
-#   STEPS="twin profile" TWIN="stats_ahead ds_key_major stats_ahead+ds_key_major" bash benchmarks/run_backward.sh OUTDIR
+#   STEPS="twin profile" TWIN="stats_ahead ds_key_major tma_store_dkv stats_ahead+ds_key_major+tma_store_dkv" \
+#     bash benchmarks/run_backward.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: bash benchmarks/run_backward.sh OUTDIR}; mkdir -p "$out"
 source benchmarks/gpu_env.sh "$out"

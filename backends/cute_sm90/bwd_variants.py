@@ -92,6 +92,9 @@ class Sm90BwdTile:
     # dS stored keys-contiguous by the transposing stmatrix, so dQ = dS K reads it K-major (DS_KEY_MAJOR in the
     # template); not with split_head_dim
     ds_key_major: bool = False
+    # dK and dV stored through shared memory by two TMA stores (TMA_STORE_DKV in the template; packed batches keep the
+    # element-wise stores)
+    tma_store_dkv: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -99,7 +102,7 @@ class Sm90BwdTile:
 
     def module(self, head_dim: int) -> str:
         return (f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{'_sd' if self.split_head_dim else ''}"
-                f"{'_sa' if self.stats_ahead else ''}{'_dk' if self.ds_key_major else ''}")
+                f"{'_sa' if self.stats_ahead else ''}{'_dk' if self.ds_key_major else ''}{'_ts' if self.tma_store_dkv else ''}")
 
     def params(self, head_dim: int) -> dict:
         return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": kernel_head_dim(head_dim)}
@@ -129,7 +132,7 @@ class Sm90BwdTile:
     def describe(self) -> str:
         return (f"{self.tile_m}x{self.tile_n} s{self.q_stages} {self.consumer_warpgroups} consumer warpgroups"
                 f"{' splitting the head dim' if self.split_head_dim else ''}{', row stats ahead' if self.stats_ahead else ''}"
-                f"{', dS key-major' if self.ds_key_major else ''}")
+                f"{', dS key-major' if self.ds_key_major else ''}{', dK/dV by TMA' if self.tma_store_dkv else ''}")
 
 
 def kernel_head_dim(head_dim: int) -> int:

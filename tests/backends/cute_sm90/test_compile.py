@@ -303,28 +303,33 @@ def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_p
     assert ordered == [variant.deterministic] * 2, ordered
 
 
-# The backward tiles' template options (bwd_variants.Sm90BwdTile: stats_ahead, ds_key_major), which
-# benchmarks/sweep_bwd_sm90.py --twin times beside the table's tiles: each combination the table's check accepts, on the
-# kernel head dims 64 and 128, causal bf16 (stats_ahead needs tile_m / 4 registers more: refused at d=64's 128 rows)
-OPTIONS = ("stats_ahead", "ds_key_major", "stats_ahead+ds_key_major")
+# The backward tiles' template options (bwd_variants.Sm90BwdTile: stats_ahead, ds_key_major, tma_store_dkv), which
+# benchmarks/sweep_bwd_sm90.py --twin times beside the table's tiles: each alone and all together where the table's
+# check accepts them, on the kernel head dims 64 and 128, causal bf16 (stats_ahead needs tile_m / 4 registers more:
+# refused at d=64's 128 rows)
+OPTIONS = ("stats_ahead", "ds_key_major", "tma_store_dkv", "stats_ahead+ds_key_major+tma_store_dkv")
 OPTION_TWINS = [Sm90BwdVariant(twin, d, "bf16", True) for d in (64, 128) for fields in OPTIONS
                 for twin in [dataclasses.replace(bwd_variants.table_tile(d)[0], **dict.fromkeys(fields.split("+"), True))]
                 if not bwd_variants.check(twin, d)]
 
 
 def test_the_option_twins_the_check_accepts():
-    assert [(v.head_dim, v.tile.stats_ahead, v.tile.ds_key_major) for v in OPTION_TWINS] == [
-        (64, False, True), (128, True, False), (128, False, True), (128, True, True)]
+    assert [(v.head_dim, v.tile.stats_ahead, v.tile.ds_key_major, v.tile.tma_store_dkv) for v in OPTION_TWINS] == [
+        (64, False, True, False), (64, False, False, True),
+        (128, True, False, False), (128, False, True, False), (128, False, False, True), (128, True, True, True)]
 
 
 @pytest.mark.parametrize("variant", OPTION_TWINS, ids=[v.name for v in OPTION_TWINS])
 def test_backward_options_compile_to_their_instructions(tmp_path, variant):
     """ds_key_major: dS stored by the transposing stmatrix and read by dQ's WGMMA untransposed (only K, its B operand,
     read transposed); stats_ahead: LSE loads between S^T's WGMMA and the first wait for it (none without: the base
-    kernel's first loads come after the wait). No spill beyond the table tile's, but 8 bytes with stats_ahead alone
-    (measured here: d=128 causal keeps two values on the stack; with ds_key_major too, none)."""
+    kernel's first loads come after the wait); tma_store_dkv: dK and dV by TMA stores (two each: a 128-byte swizzle
+    box holds 64 columns), no global store from a thread. No spill beyond the table tile's, but 8 bytes with
+    stats_ahead alone (measured here: d=128 causal keeps two values on the stack; with the other options too, none)."""
     sass = backward_sass(tmp_path, variant, 8 if variant.tile.stats_ahead and not variant.tile.ds_key_major else 0)
     head_dim, tile = variant.head_dim, variant.tile
+    stores = (len(re.findall(r"\bUTMASTG\.", sass)), bool(re.search(r"\bSTG\.", sass)))
+    assert stores == ((2 * head_dim // 64, False) if variant.tile.tma_store_dkv else (0, True)), stores
     dq_cols = head_dim if tile.tile_m == 128 else head_dim // 2
     assert bool(re.search(r"\bSTSM\.16\.MT88", sass)) == tile.ds_key_major
     assert bool(re.search(rf"HGMMA\.64x{dq_cols}x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass)) != tile.ds_key_major
