@@ -215,7 +215,11 @@ class TritonFA2Backend(Backend):
                     if dtype not in self.support.dtypes:
                         continue
                     attention_sets = [kinds for kinds in features if "kvcache" not in kinds]
-                    for flag, kinds, family in itertools.product(causal, (frozenset(), *attention_sets), ("fwd", "bwd")):
+                    kv_sets = [kinds for kinds in features if "kvcache" in kinds and "alibi" not in kinds]
+                    # a head dim only the KV-cache kernel serves (variants.KV_HEAD_DIMS) builds its KV-cache kernels
+                    kv_only = head_dim not in variants.HEAD_DIMS and bool(kv_sets)
+                    families = () if kv_only else itertools.product(causal, (frozenset(), *attention_sets), ("fwd", "bwd"))
+                    for flag, kinds, family in families:
                         variant, why = self._variant(family, arch, head_dim, dtype, flag, local="window" in kinds,
                                                      softcap="softcap" in kinds, sinks="sinks" in kinds,
                                                      alibi="alibi" in kinds, varlen="varlen" in kinds)
@@ -225,9 +229,11 @@ class TritonFA2Backend(Backend):
                             continue
                         if variant not in out:
                             out.append(variant)
-                    kv_sets = [kinds for kinds in features if "kvcache" in kinds and "alibi" not in kinds]
                     for flag, kinds, rows, paged in itertools.product(causal, kv_sets, KV_ROWS, (False, True)):
                         variant = self._kvcache_variant(arch, head_dim, dtype, flag, rows, paged, kinds)
+                        if variant is None and strict and kv_only and head_dim not in variants.KV_HEAD_DIMS:
+                            raise ValueError(f"{self.name} {arch}: head_dim {head_dim} has no KV-cache kernel (has every "
+                                             "multiple of 8 from 16 to 256)")
                         if variant is not None and variant not in out:
                             out.append(variant)
         return out

@@ -245,15 +245,31 @@ MAX_SPLITS = 128
 MIN_KEY_BLOCKS_PER_SPLIT = 4
 
 
+# The KV-cache kernel's head dims: every multiple of 8 from 16 to 256. One between the table's head dims takes the tile
+# of the next one up, its columns past head_dim masked (D < HEAD_DIM in the template, as 96 and 192 have always run,
+# on the GPU too): decode reads only the real columns, so the padding costs arithmetic, not bandwidth. (The attention
+# kernels keep HEAD_DIMS: there a padded head dim is padded work, and SDPA serves the others.)
+KV_HEAD_DIMS = tuple(range(16, 257, 8))
+
+
+def kv_table_dim(table_dims, head_dim: int) -> int | None:
+    """The head dim of the KV-cache table entry that serves ``head_dim``: the first of ``table_dims`` at least as
+    large (None past them, or for a head dim outside KV_HEAD_DIMS)."""
+    if head_dim not in KV_HEAD_DIMS:
+        return None
+    return next((d for d in sorted(table_dims) if d >= head_dim), None)
+
+
 def kv_tile(table: dict, arch: str, head_dim: int, rows: int) -> tuple[KVTile | None, list[str]]:
-    """The KV-cache tile for ``rows`` packed (query, head) rows: the first of the table's tiles that passes check()
-    with block_m cut to the smallest power of two >= max(rows, 16) where that is smaller, and halved (to 16 at
-    least) until it does; with the reasons when none does."""
+    """The KV-cache tile for ``rows`` packed (query, head) rows: the first of the table's tiles (those of
+    kv_table_dim's entry) that passes check() with block_m cut to the smallest power of two >= max(rows, 16) where
+    that is smaller, and halved (to 16 at least) until it does; with the reasons when none does."""
     if arch not in table:
         return None, [f"no KV-cache tiles for {arch} (has {', '.join(table)})"]
-    candidates = table[arch].get(head_dim)
+    candidates = table[arch].get(kv_table_dim(table[arch], head_dim))
     if not candidates:
-        return None, [f"head_dim {head_dim} has no KV-cache tile (has {', '.join(map(str, sorted(table[arch])))})"]
+        return None, [f"head_dim {head_dim} has no KV-cache tile (has every multiple of 8 from 16 to "
+                      f"{max(table[arch])})"]
     want = max(16, 1 << max(rows - 1, 0).bit_length())
     reasons = []
     for tile in candidates:

@@ -183,6 +183,21 @@ def test_kvcache_kernels_compile_for_their_targets(backend, arch, cache):
             assert meta["shared_bytes"] <= variants.SMEM[arch], build.name()
 
 
+@pytest.mark.parametrize("backend,arch", [("triton_fa2", "sm90"), ("triton_fa2", "sm80"), ("triton_rocm", "gfx942")])
+def test_kvcache_kernels_of_a_head_dim_between_the_tables_compile(backend, arch, cache):
+    """Head dim 80 (variants.KV_HEAD_DIMS): only the KV-cache kernels are built for it (the attention kernels keep
+    their head dims), padded to the 128 kernel's tile width with 80 real columns, and they compile for each target."""
+    b = registered()[backend]
+    planned = b.variants([arch], dtypes=("bf16",), head_dims=(80,), causal=(True,), strict=True,
+                         features=(frozenset({"kvcache"}),))
+    assert planned and all(v.family == "kvcache" and v.head_dim == 80 for v in planned)
+    for variant in planned[:2]:  # the decode tile, contiguous and paged
+        build = b.builds(variant)[0]
+        assert (dict(build.constexprs)["D"], dict(build.constexprs)["HEAD_DIM"]) == (80, 128)
+        meta, _ = triton_aot.build_cached(build, cache)
+        assert meta["shared_bytes"] <= variants.SMEM[arch], build.name()
+
+
 @pytest.mark.parametrize("arch", ["sm90", "sm89"])
 def test_fp8_kvcache_kernels_compile(arch, cache):
     """The FP8_KV KV-cache kernels (e4m3 caches, fp16/bf16 queries) compile for the archs that convert e4m3 in

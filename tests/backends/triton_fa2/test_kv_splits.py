@@ -34,8 +34,32 @@ def test_every_arch_and_head_dim_has_a_kv_tile_for_any_row_count(module, rows):
     """Decode (a few rows) and chunked prefill (many) find a tile that passes the validity check everywhere, paged
     or not: a tile too large for the row count's block_m is cut down, never refused."""
     for table in (module.KVCACHE, module.KVCACHE_PAGED):
-        for arch, dims in table.items():
-            for head_dim in dims:
+        for arch in table:
+            for head_dim in variants.KV_HEAD_DIMS:  # the table's head dims and every multiple of 8 between them
                 tile, why = variants.kv_tile(table, arch, head_dim, rows)
                 assert tile is not None, (arch, head_dim, rows, why)
                 assert tile.block_m <= max(16, 1 << (rows - 1).bit_length()) and not variants.check(tile, arch, head_dim)
+
+
+def test_a_head_dim_between_the_tables_takes_the_next_ones_tile_and_others_are_refused_with_why():
+    table = variants.KVCACHE
+    assert variants.KV_HEAD_DIMS == tuple(range(16, 257, 8))
+    assert [variants.kv_table_dim(table["sm90"], d) for d in (16, 40, 80, 96, 136, 200, 256)] == [32, 64, 96, 96, 192,
+                                                                                                   256, 256]
+    for arch in table:
+        assert variants.kv_tile(table, arch, 80, 1)[0] == variants.kv_tile(table, arch, 96, 1)[0]
+        assert variants.kv_tile(table, arch, 200, 1)[0] == variants.kv_tile(table, arch, 256, 1)[0]
+    for head_dim in (8, 12, 84, 264):
+        tile, why = variants.kv_tile(table, "sm90", head_dim, 1)
+        assert tile is None and why == [f"head_dim {head_dim} has no KV-cache tile (has every multiple of 8 from 16 "
+                                        "to 256)"]
+
+
+def test_decode_at_head_dim_80_plans_the_kvcache_kernel_on_every_gpu_family():
+    """A paged decode at head dim 80 (OPT-2.7B, Phi-2) runs the KV-cache kernel, not the reference's gathers."""
+    import attnforge
+
+    for device, backend in (("H100", "triton_fa2"), ("A100", "triton_fa2"), ("MI300X", "triton_rocm")):
+        decision = attnforge.explain(device=device, dtype="bf16", head_dim=80, seqlen_q=1, seqlen_k=8192, heads=32,
+                                     kv_heads=8, batch=8, kv_cache="paged")
+        assert decision.forward.backend == backend and decision.forward.variant.head_dim == 80, decision

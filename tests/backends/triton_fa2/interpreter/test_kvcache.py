@@ -163,6 +163,47 @@ def test_every_kvcache_tile_fp32(tile, paged, gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [16, 40, 80, 200])
+@pytest.mark.parametrize("page_size", [0, 16], ids=lambda p: f"page{p}" if p else "contiguous")
+def test_head_dims_between_the_tables_against_fp64(backend, head_dim, page_size, gen, poisoned_empty):
+    """Head dims the KV-cache table has no entry of its own for run the next entry's kernel with the columns past
+    head_dim masked (variants.KV_HEAD_DIMS): GQA decode with an append and chunked prefill, causal, forced splits,
+    lengths 0 to 113, NaN cache positions no sequence owns."""
+    lengths, hq, hkv, capacity = [0, 1, 17, 113], 4, 2, 128
+    k_cache, v_cache = (torch.full((4, capacity, hkv, head_dim), float("nan"), dtype=torch.float16) for _ in range(2))
+    for b, n in enumerate(lengths):
+        for cache in (k_cache, v_cache):
+            cache[b, :n] = torch.randn(n, hkv, head_dim, generator=gen).half()
+    for nq in (1, 3):
+        q = torch.randn(4, nq, hq, head_dim, generator=gen).half()
+        k_new, v_new = (torch.randn(4, 1, hkv, head_dim, generator=gen).half() for _ in range(2))
+        dense_k, dense_v = k_cache.clone(), v_cache.clone()
+        for b, n in enumerate(lengths):
+            dense_k[b, n], dense_v[b, n] = k_new[b, 0], v_new[b, 0]
+        kwargs = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32), causal=True, num_splits=3, scale=0.3,
+                      return_lse=True, backend=backend)
+        if page_size:
+            table = random_table(gen, 4, capacity // page_size, 4 * capacity // page_size + 3)
+            pool = table.numel() + 3
+            kp, vp = as_pages(k_cache, table, page_size, pool), as_pages(v_cache, table, page_size, pool)
+            out, lse = attnforge.attention_with_kvcache(q, kp, vp, k_new, v_new, block_table=table, **kwargs)
+        else:
+            out, lse = attnforge.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, **kwargs)
+        decision = attnforge.last_decision()
+        assert decision.forward.backend == backend and decision.forward.variant.head_dim == head_dim
+        refs = []
+        for b, n in enumerate(lengths):
+            bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (q[b], dense_k[b, :n + 1], dense_v[b, :n + 1])]
+            ref, ref_lse, _ = oracle(*bhsd, mask=_causal_mask(True, (-1, -1)), scale=0.3)
+            peer, _ = peer_error(*bhsd, mask=_causal_mask(True, (-1, -1)), scale=0.3)
+            refs.append((ref, ref_lse, peer))
+        ulps = 4 * math.sqrt(max(max(lengths) + 1, head_dim))
+        for b, (ref, ref_lse, peer) in enumerate(refs):
+            assert_close(f"out[{b}]", out[b].transpose(0, 1).unsqueeze(0), ref, peer, ulps=ulps)
+            assert_close(f"lse[{b}]", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ulps)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_nan_key_makes_its_rows_nan_across_splits(backend, gen, poisoned_empty):
     """NaN never passes: a NaN in one split's keys makes every row that sees it NaN after the combine."""
     k_cache, v_cache = filled(gen, [100, 100], 128, 1)
