@@ -27,8 +27,8 @@ def aot_signature(kernel: str, dtype: str) -> dict:
     if kernel == "row_statistics":
         return {"out_ptr": f"*{dtype}", "dout_ptr": f"*{dtype}", "lse_ptr": "*fp32", "dlse_ptr": "*fp32",
                 "lse2_ptr": "*fp32", "delta_ptr": "*fp32", "acc_ptr": "*fp32",
-                **ints("has_dlse", "zero_acc", "seqlen", "padded", "heads", "stride_ob", "stride_oh", "stride_on", "stride_db",
-                       "stride_dh", "stride_dn"),
+                **ints("has_dlse", "zero_acc", "seqlen", "padded", "heads", "stride_ob", "stride_oh", "stride_on",
+                       "stride_db", "stride_dh", "stride_dn"),
                 "BLOCK_ROWS": "constexpr", "HEAD_DIM": "constexpr", "D": "constexpr"}
     return {"acc_ptr": "*fp32", "dq_ptr": f"*{dtype}", "scale": "fp32",
             **ints("seqlen", "heads", "stride_b", "stride_h", "stride_n"),

@@ -101,8 +101,9 @@ class Sm90BwdTile:
         return 2 if self.split_head_dim else self.tile_n // 64
 
     def module(self, head_dim: int) -> str:
-        return (f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{'_sd' if self.split_head_dim else ''}"
-                f"{'_sa' if self.stats_ahead else ''}{'_dk' if self.ds_key_major else ''}{'_ts' if self.tma_store_dkv else ''}")
+        options = "".join(suffix for on, suffix in ((self.split_head_dim, "_sd"), (self.stats_ahead, "_sa"),
+                                                    (self.ds_key_major, "_dk"), (self.tma_store_dkv, "_ts")) if on)
+        return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{options}"
 
     def params(self, head_dim: int) -> dict:
         return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": kernel_head_dim(head_dim)}
@@ -130,9 +131,11 @@ class Sm90BwdTile:
         return (2 * 64 * head_dim + 2 * 64 * self.tile_m + 64 * self.tile_m // 2) // 128 + stats + REGISTER_OVERHEAD
 
     def describe(self) -> str:
-        return (f"{self.tile_m}x{self.tile_n} s{self.q_stages} {self.consumer_warpgroups} consumer warpgroups"
-                f"{' splitting the head dim' if self.split_head_dim else ''}{', row stats ahead' if self.stats_ahead else ''}"
-                f"{', dS key-major' if self.ds_key_major else ''}{', dK/dV by TMA' if self.tma_store_dkv else ''}")
+        options = "".join(note for on, note in ((self.split_head_dim, " splitting the head dim"),
+                                                (self.stats_ahead, ", row stats ahead"),
+                                                (self.ds_key_major, ", dS key-major"),
+                                                (self.tma_store_dkv, ", dK/dV by TMA")) if on)
+        return f"{self.tile_m}x{self.tile_n} s{self.q_stages} {self.consumer_warpgroups} consumer warpgroups{options}"
 
 
 def kernel_head_dim(head_dim: int) -> int:

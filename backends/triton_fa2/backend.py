@@ -218,7 +218,8 @@ class TritonFA2Backend(Backend):
                     kv_sets = [kinds for kinds in features if "kvcache" in kinds and "alibi" not in kinds]
                     # a head dim only the KV-cache kernel serves (variants.KV_HEAD_DIMS) builds its KV-cache kernels
                     kv_only = head_dim not in variants.HEAD_DIMS and bool(kv_sets)
-                    families = () if kv_only else itertools.product(causal, (frozenset(), *attention_sets), ("fwd", "bwd"))
+                    families = (() if kv_only
+                                else itertools.product(causal, (frozenset(), *attention_sets), ("fwd", "bwd")))
                     for flag, kinds, family in families:
                         variant, why = self._variant(family, arch, head_dim, dtype, flag, local="window" in kinds,
                                                      softcap="softcap" in kinds, sinks="sinks" in kinds,
