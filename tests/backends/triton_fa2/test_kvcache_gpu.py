@@ -17,7 +17,8 @@ from attnforge.testing import assert_close, oracle, peer_error
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 LENGTHS = [0, 1, 17, 1023, 4099]
-HEAD_DIMS = sorted(variants.KVCACHE["sm90"])
+# the table's head dims, and some between them (variants.KV_HEAD_DIMS: the next entry's tile, columns masked)
+HEAD_DIMS = sorted({*variants.KVCACHE["sm90"], 16, 40, 80, 200})
 
 
 def cache_pair(gen, lengths, capacity, heads_kv, d, dtype):
