@@ -16,7 +16,7 @@ are checked against fp32 math on the cache each reads first.
     python benchmarks/bench_kvcache.py --json out.json [--sweep]
 
 ``--sweep`` also times the KV-cache kernel's tiles and split counts (what variants.py's table and split
-heuristic come from).
+heuristic come from), on the contiguous cache, the pages of 64 and an e4m3 copy of the cache.
 """
 
 from __future__ import annotations
@@ -144,9 +144,13 @@ def check(fns, refs) -> dict:
     return errors
 
 
-def sweep(shape, inputs, paged: bool = False) -> list[dict]:
-    """The KV-cache kernel's tiles x split counts on ``shape`` (the contiguous cache, or the pages of 64), each
-    replayed from a CUDA graph."""
+SWEEP_LAYOUTS = {"contiguous": "sweep", "paged64": "sweep_paged64", "fp8": "sweep_fp8"}  # layout -> report key
+
+
+def sweep(shape, inputs, layout: str = "contiguous") -> list[dict]:
+    """The KV-cache kernel's tiles x split counts on ``shape`` (``layout``: the contiguous cache, the pages of 64, or
+    an e4m3 copy of the contiguous cache with descales 1, its kernel's FP8_KV form), each replayed from a CUDA
+    graph; KV bandwidth counts the bytes each layout holds (1 per element for fp8)."""
     from attnforge.backends.triton_fa2.backend import TritonVariant
     from attnforge.backends.triton_fa2.variants import KVTile
     from attnforge.dispatch.call import Call, KVCache
@@ -156,14 +160,22 @@ def sweep(shape, inputs, paged: bool = False) -> list[dict]:
 
     _, batch, n, hq, hkv, d = shape
     q, k_cache, v_cache, seqlens, scale, k_pages, v_pages, table = inputs
+    paged, fp8 = layout == "paged64", layout == "fp8"
     k, v, table = (k_pages, v_pages, table) if paged else (k_cache, v_cache, None)
+    descale = None
+    if fp8:
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        descale = torch.ones(2, batch, hkv, dtype=torch.float32, device=k.device)
+    element_bytes = 1 if fp8 else 2
     backend = get("triton_fa2")
     rows = []
-    for block_n, warps, stages, splits in itertools.product((64, 128), (4, 8), (2, 3), (0, 1, 2, 4, 8, 16, 32)):
+    block_ns = (64, 128, 256) if fp8 else (64, 128)  # (fp8: half the bytes a key, so longer steps fit)
+    for block_n, warps, stages, splits in itertools.product(block_ns, (4, 8), (2, 3), (0, 1, 2, 4, 8, 16, 32)):
         tile = KVTile(16, block_n, warps, stages)
-        variant = TritonVariant("kvcache", tile, "triton_kvcache.py.jinja", "sm90", d, "bf16", False)
+        variant = TritonVariant("kvcache", tile, "triton_kvcache.py.jinja", "sm90", d, "bf16", False, paged=paged,
+                                fp8_kv=fp8)
         call = Call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, Mask(),
-                    cache=KVCache(seqlens, None, table, n, splits))
+                    cache=KVCache(seqlens, None, table, n, splits, descale))
         try:
             replay = graphed(lambda: backend.forward(variant, call))
             ms = time_ms(replay, torch.device("cuda"), 10, 60)[0]
@@ -171,7 +183,7 @@ def sweep(shape, inputs, paged: bool = False) -> list[dict]:
             rows.append(dict(tile=tile.describe(), splits=splits, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
             continue
         rows.append(dict(tile=tile.describe(), splits=splits, ms=ms,
-                         kv_tbs=2 * batch * n * hkv * d * 2 / (ms * 1e-3) / 1e12))
+                         kv_tbs=2 * batch * n * hkv * d * element_bytes / (ms * 1e-3) / 1e12))
     return sorted(rows, key=lambda r: r.get("ms", math.inf))
 
 
@@ -206,9 +218,8 @@ def main(argv=None) -> int:
             print(f"  {impl:18s} {ms * 1e3:8.1f} us  {r['tflops']:6.1f} TFLOP/s  {r['kv_tbs']:5.2f} TB/s KV "
                   f"({r['kv_tbs'] * 1e12 / copy:.0%} of copy)" + (f"  err {errors[impl]:.2e}" if impl in errors else ""))
         if args.sweep:
-            for paged in (False, True):
-                key = "sweep_paged64" if paged else "sweep"
-                row[key] = sweep(shape, inputs, paged)
+            for layout, key in SWEEP_LAYOUTS.items():
+                row[key] = sweep(shape, inputs, layout)
                 for r in row[key][:6]:
                     print(f"    {key} {r['tile']:28s} splits {r['splits']:3d}: {r.get('ms', 0) * 1e3:8.1f} us "
                           f"{r.get('kv_tbs', 0):5.2f} TB/s")
