@@ -43,6 +43,18 @@ from attnforge.testing import assert_close, oracle, peer_error
 CANDIDATES = {d: list(tiles) for d, tiles in BWD.items()}
 
 
+def twins(tiles, options: list[str], head_dim: int) -> list:
+    """Each of ``tiles`` with the boolean fields of each option ("field+field") turned on, where that changes the tile
+    and the table's check accepts it at ``head_dim``."""
+    out = []
+    for fields in options:
+        for tile in tiles:
+            twin = dataclasses.replace(tile, **dict.fromkeys(fields.split("+"), True))
+            if twin != tile and not check(twin, head_dim):
+                out.append(twin)
+    return out
+
+
 def label(variant) -> str:
     return f"bwd {variant.tile.describe()}" + (" deterministic" if variant.deterministic else "")
 
@@ -103,10 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     dims = [int(d) for d in args.head_dim.split(",")]
     forms = (False,) if args.no_deterministic else (False, True)
-    tiles = {d: [*tiles, *(twin for fields in args.twin for t in tiles
-                           for twin in [dataclasses.replace(t, **dict.fromkeys(fields.split("+"), True))]
-                           if twin != t and not check(twin, d))]
-             for d, tiles in CANDIDATES.items()}
+    tiles = {d: [*tiles, *twins(tiles, args.twin, d)] for d, tiles in CANDIDATES.items()}
     variants = {(d, causal): [backward.Sm90BwdVariant(t, d, "bf16", causal, det)
                               for t in tiles[kernel_head_dim(d)]
                               for det in forms]

@@ -218,6 +218,9 @@ class TritonFA2Backend(Backend):
                     kv_sets = [kinds for kinds in features if "kvcache" in kinds and "alibi" not in kinds]
                     # a head dim only the KV-cache kernel serves (variants.KV_HEAD_DIMS) builds its KV-cache kernels
                     kv_only = head_dim not in variants.HEAD_DIMS and bool(kv_sets)
+                    if kv_only and strict and head_dim not in variants.KV_HEAD_DIMS:
+                        raise ValueError(f"{self.name} {arch}: head_dim {head_dim} has no KV-cache kernel (has every "
+                                         "multiple of 8 from 16 to 256)")
                     families = (() if kv_only
                                 else itertools.product(causal, (frozenset(), *attention_sets), ("fwd", "bwd")))
                     for flag, kinds, family in families:
@@ -232,9 +235,6 @@ class TritonFA2Backend(Backend):
                             out.append(variant)
                     for flag, kinds, rows, paged in itertools.product(causal, kv_sets, KV_ROWS, (False, True)):
                         variant = self._kvcache_variant(arch, head_dim, dtype, flag, rows, paged, kinds)
-                        if variant is None and strict and kv_only and head_dim not in variants.KV_HEAD_DIMS:
-                            raise ValueError(f"{self.name} {arch}: head_dim {head_dim} has no KV-cache kernel (has every "
-                                             "multiple of 8 from 16 to 256)")
                         if variant is not None and variant not in out:
                             out.append(variant)
         return out
