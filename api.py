@@ -382,14 +382,15 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
             head_dim_v: int | None = None, return_lse: bool = False, layout: str = "bhsd",
             backend: str | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
             sinks: bool = False, alibi: bool = False, deterministic: bool = False, kv_cache: str = "",
-            kv_dtype: str = "", varlen: bool = False) -> Decision:
+            kv_dtype: str = "", page_size: int = 0, varlen: bool = False) -> Decision:
     """The Decision attention() would take, without running anything.
 
     Give tensors (their shapes and dtype are used) or plain shapes (dtype, head_dim and seqlen_q
     required). ``device`` is a profile name (``"H100"``, ``"MI300X"``, ...; see PROFILES), a
     DeviceSpec or a torch device; default: the tensors' device, else this machine's. ``kv_cache="contiguous"`` or
     ``"paged"``: the Decision attention_with_kvcache would take (k, v then stand for the cache, seqlen_k for the
-    longest sequence's keys; ``kv_dtype="fp8"`` for an e4m3 cache). ``varlen=True``: the Decision attention_varlen would take for a packed batch of
+    longest sequence's keys; ``kv_dtype="fp8"`` for an e4m3 cache, ``page_size`` a paged cache's positions per page,
+    which cute_sm90's paged kernel needs to know). ``varlen=True``: the Decision attention_varlen would take for a packed batch of
     ``batch`` sequences, the longest of ``seqlen_q`` queries and ``seqlen_k`` keys.
     """
     spec = None if device is None else devices.resolve(device)
@@ -415,5 +416,6 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
                           return_lse=bool(return_lse), **softcap_fields(check_softcap(softcap)),
                           sinks=bool(sinks), alibi=bool(alibi), deterministic=check_deterministic(deterministic))
     if kv_cache or varlen:
-        problem = dataclasses.replace(problem, kv_cache=kv_cache, kv_dtype=kv_dtype, varlen=bool(varlen))
+        problem = dataclasses.replace(problem, kv_cache=kv_cache, kv_dtype=kv_dtype, kv_page_size=page_size,
+                                      varlen=bool(varlen))
     return decide(problem, *forced_backend(backend))

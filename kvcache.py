@@ -96,12 +96,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ends = ends + new
     forced = forced_backend(backend)
     key = ("kvcache", q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, device, paged, longest, mask,
-           softcap, sinks is not None, bool(return_lse), forced)
+           softcap, sinks is not None, bool(return_lse), starts is not None, check_inputs, forced)
     decision = decide_keyed(key, lambda: Problem(
         batch=batch, heads_q=heads_q, heads_kv=k_cache.shape[2], seqlen_q=seqlen_q, seqlen_k=longest,
         head_dim=head_dim, head_dim_v=v_cache.shape[3], dtype=dtype_name(q.dtype), device=detect(device), mask=mask,
         return_lse=bool(return_lse), **softcap_fields(softcap), sinks=sinks is not None,
-        kv_cache="paged" if paged else "contiguous", kv_dtype="fp8" if descale is not None else ""), *forced)
+        kv_cache="paged" if paged else "contiguous", kv_dtype="fp8" if descale is not None else "",
+        kv_page_size=page_size if paged else 0, kv_leftpad=starts is not None, kv_unchecked=not check_inputs), *forced)
     cache = KVCache(ends.to(torch.int32), starts, block_table, longest, num_splits, descale)
     call = Call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                 check_scale(scale, head_dim), mask, softcap=softcap, sinks=sinks, cache=cache)

@@ -92,12 +92,13 @@ def patch(source: str, trace_m: int, trace_h: int) -> str:
         "split, packed,\n                                                           scores, mLSE)\n")
     sub("pipe_q, pipe_k, pipe_v, q_state, kv_state, split, packed, scores)\n",
         "pipe_q, pipe_k, pipe_v, q_state, kv_state, split, packed, scores, mLSE)\n")
-    sub("batch, q_offset, k_offset, n_block_min, n_block_max)\n", "batch, q_offset, k_offset, n_block_min, n_block_max, mLSE)\n")
-    sub("             m_block, head, head_kv, batch, q_offset, k_offset, n_block_min, n_block_max):\n",
-        "             m_block, head, head_kv, batch, q_offset, k_offset, n_block_min, n_block_max, mLSE):\n")
+    sub("                                 packed, seqlen_k)\n", "                                 packed, seqlen_k, mLSE)\n")
+    sub("n_block_min, n_block_max, packed, seqlen_k):\n", "n_block_min, n_block_max, packed, seqlen_k, mLSE):\n")
     loads = '        """One tile\'s TMA loads: Q, then K and V block by block; returns the K/V pipeline state after them."""\n'
     sub(loads, loads + _trace_start(trace_m, trace_h, "True", str(PRODUCER_BASE)))
-    for text, event in (("            pipe_k.producer_acquire(kv_state)\n", 0), ("            pipe_v.producer_acquire(kv_state)\n", 2)):
+    # (the leading newline: the dense loop's lines, not PAGED's more deeply indented ones)
+    for text, event in (("\n            pipe_k.producer_acquire(kv_state)\n", 0),
+                        ("\n            pipe_v.producer_acquire(kv_state)\n", 2)):
         sub(text, text + f"            self.trace(mLSE, trace_base, n_block, {event}, t0)\n")
     for text, event in (("tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))\n", 1),
                         ("tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))\n", 3)):

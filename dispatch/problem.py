@@ -73,6 +73,10 @@ class Problem:
     kv_cache: str = ""
     # a KV cache stored in another dtype than q: "fp8" (e4m3, dequantised by per-(batch, KV head) descales); "": q's
     kv_dtype: str = ""
+    kv_page_size: int = 0  # a paged cache's positions per page (0: not paged, or not given to explain())
+    kv_leftpad: bool = False  # the sequences start at cache_leftpad positions (not all at 0)
+    # check_inputs=False: the lengths and pages were not read on the host, so a kernel meets them unchecked
+    kv_unchecked: bool = False
     # attention_varlen's packed batch (FlashAttention's varlen layout): batch counts the sequences and seqlen_q,
     # seqlen_k are the longest's (max_seqlen_q, max_seqlen_k)
     varlen: bool = False
@@ -97,6 +101,13 @@ class Problem:
         if self.kv_dtype not in KV_DTYPES or (self.kv_dtype and not self.kv_cache):
             raise InvalidInputError(f"kv_dtype must be one of {KV_DTYPES} and is for a KV cache only, got "
                                     f"{self.kv_dtype!r}")
+        page_size = self.kv_page_size
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 0 or (
+                page_size and self.kv_cache != "paged"):
+            raise InvalidInputError(f"kv_page_size is a paged KV cache's page size (> 0, or 0: not given), 0 for "
+                                    f"other calls; got {page_size!r} with kv_cache {self.kv_cache!r}")
+        if (self.kv_leftpad or self.kv_unchecked) and not self.kv_cache:
+            raise InvalidInputError("kv_leftpad and kv_unchecked describe a KV cache (kv_cache is '')")
         if self.varlen and self.kv_cache:
             raise InvalidInputError("a packed (varlen) batch and a KV cache are separate calls: attention_varlen or "
                                     "attention_with_kvcache")
@@ -126,8 +137,9 @@ class Problem:
         flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), *((f, True) for f in self.score_features),
                                  ("dropout", self.dropout), ("grad", self.needs_grad), ("deterministic", self.deterministic),
                                  ("lse", self.return_lse),
-                                 (f"{self.kv_cache} {self.kv_dtype + ' ' if self.kv_dtype else ''}kv cache",
-                                  bool(self.kv_cache)),
+                                 (f"{self.kv_cache} {self.kv_dtype + ' ' if self.kv_dtype else ''}kv cache"
+                                  + (f" (page {self.kv_page_size})" if self.kv_page_size else ""), bool(self.kv_cache)),
+                                 ("leftpad", self.kv_leftpad), ("unchecked", self.kv_unchecked),
                                  ("varlen", self.varlen)) if on]
         return (f"{self.dtype} b={self.batch} h={heads} nq={self.seqlen_q} nk={self.seqlen_k} {dims}"
                 + (" " + ",".join(flags) if flags else "") + f" on {self.device.arch} ({self.device.name})")

@@ -189,17 +189,31 @@ def _on_host(x):
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
-def _tiny_cache(problem: Problem):
-    """For a KV-cache problem, the tiny problem's k and v as a cache every sequence fills: rows of a contiguous
-    cache, or pages of SEQLEN_K positions, page b holding sequence b (so its answer is the dense one)."""
+def _tiny_cache(problem: Problem, k: torch.Tensor, v: torch.Tensor):
+    """(KVCache or None, k, v): for a KV-cache problem, the tiny problem's k and v (batch, heads_kv, SEQLEN_K,
+    head_dim) written into a cache whose positions past SEQLEN_K hold NaN (a cache's unwritten memory may, and a
+    kernel must not let it through): rows of a contiguous cache, or pages of the problem's page size, sequence b's
+    in order from page b * pages-per-sequence (so its answer is the dense one). Otherwise (None, k, v)."""
     if not problem.kv_cache:
-        return None
+        return None, k, v
     device = problem.device.torch_device
+    size = problem.kv_page_size or SEQLEN_K + 15  # (contiguous: a row with room past the keys)
+    per_sequence = -(-SEQLEN_K // size)
+
+    def cache_of(x):
+        rows = torch.full((BATCH, x.shape[1], per_sequence * size, x.shape[3]), float("nan"), dtype=x.dtype,
+                          device=device)
+        rows[:, :, :SEQLEN_K] = x
+        if not problem.kv_page_size:
+            return rows
+        return rows.unflatten(2, (per_sequence, size)).transpose(1, 2).flatten(0, 1)  # (pages, heads_kv, size, d)
+
     seqlens = torch.full((BATCH,), SEQLEN_K, dtype=torch.int32, device=device)
-    table = (torch.arange(BATCH, dtype=torch.int32, device=device)[:, None] if problem.kv_cache == "paged" else None)
+    table = (torch.arange(BATCH * per_sequence, dtype=torch.int32, device=device).view(BATCH, per_sequence)
+             if problem.kv_cache == "paged" else None)
     descale = (torch.tensor(FP8_KV_DESCALES, device=device)[:, None, None].expand(2, BATCH, HEADS_KV).contiguous()
                if problem.kv_dtype == "fp8" else None)
-    return KVCache(seqlens, None, table, SEQLEN_K, descale=descale)
+    return KVCache(seqlens, None, table, SEQLEN_K, descale=descale), cache_of(k), cache_of(v)
 
 
 def _tiny_varlen(problem: Problem):
@@ -220,14 +234,15 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
 
     dtype = DTYPES[problem.dtype]
     q, k, v, _, scale, features = _tiny_inputs(problem)
-    cache = _tiny_cache(problem)
     if problem.kv_dtype == "fp8":  # the cache holds e4m3; the answer is of what it stands for
         k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-        out, _ = backend.forward(variant, Call(q, k8, v8, scale, problem.mask, cache=cache, **features))
+        cache, k_cache, v_cache = _tiny_cache(problem, k8, v8)
+        out, _ = backend.forward(variant, Call(q, k_cache, v_cache, scale, problem.mask, cache=cache, **features))
         k, v = (x.float() * d for x, d in zip((k8, v8), FP8_KV_DESCALES))
         k, v = k.to(dtype), v.to(dtype)  # (exact for e4m3 values times a power of two)
     else:
-        out, _ = backend.forward(variant, Call(q, k, v, scale, problem.mask, cache=cache,
+        cache, k_cache, v_cache = _tiny_cache(problem, k, v)
+        out, _ = backend.forward(variant, Call(q, k_cache, v_cache, scale, problem.mask, cache=cache,
                                                varlen=_tiny_varlen(problem), **features))
     # the oracle and torch's peer run on the CPU (the tiny problem is microseconds there): the check then adds no
     # GPU math library's start-up (cuBLAS's) to a process's first call

@@ -35,6 +35,8 @@ class Support:
     empty: bool = True  # zero-sized batch, heads or sequence
     kv_cache: frozenset[str] = frozenset()  # the KV caches it reads in place ("contiguous", "paged")
     kv_cache_fp8: bool = False  # an fp8 (e4m3) KV cache with descales, for fp16/bf16 queries
+    kv_leftpad: bool = False  # a KV cache's cache_leftpad (sequences starting past position 0)
+    kv_unchecked: bool = False  # KV-cache lengths and pages not checked on the host (check_inputs=False)
     varlen: bool = False  # packed variable-length batches (cu_seqlens) in one call
 
     def reasons(self, p: Problem) -> list[str]:
@@ -78,6 +80,11 @@ class Support:
                        f"{' and a block_table' if p.kv_cache == 'paged' else ''})")
         if p.kv_dtype == "fp8" and not self.kv_cache_fp8:
             out.append("an fp8 (e4m3) KV cache is not supported")
+        if p.kv_leftpad and not self.kv_leftpad:
+            out.append("cache_leftpad is not supported (its KV-cache kernels start every sequence at position 0)")
+        if p.kv_unchecked and not self.kv_unchecked:
+            out.append("check_inputs=False is not supported (its KV-cache kernels take lengths and pages checked on "
+                       "the host)")
         if p.varlen and not self.varlen:
             out.append("a packed variable-length batch (cu_seqlens) is not supported (it has no varlen kernel)")
         if p.empty and not self.empty:

@@ -33,7 +33,8 @@ class Sm90Variant(CuteVariant):
     """One compiled cute_sm90 forward: a tile of the table for an input kind and head dim, compiled for a
     dtype and causality (``kernel``: the compiled callable); ``window``, ``softcap``, ``sinks`` and ``alibi``
     compile the template's WINDOW, SOFTCAP, SINKS and ALIBI in (their values are the call's), ``varlen`` its VARLEN
-    (a packed batch)."""
+    (a packed batch), ``kv_cache`` its KV_CACHE ("contiguous") or KV_CACHE and PAGED ("paged", loading
+    ``page_rows`` rows at a time: variants.page_rows)."""
 
     tile: variants.Sm90FwdTile
     kind: str
@@ -48,6 +49,8 @@ class Sm90Variant(CuteVariant):
     # FIXED_MAX in the template: a softcapped bf16 forward subtracts one fixed max (the cap bounds the scores)
     # instead of a running one; only for caps up to dispatch.problem.SMALL_SOFTCAP (variants.fixed_max_serves)
     fixed_max: bool = False
+    kv_cache: str = ""
+    page_rows: int = 0
     compile_module = cc
 
     @property
@@ -58,7 +61,8 @@ class Sm90Variant(CuteVariant):
     @property
     def source(self) -> Source:
         return Source.of(cc.TEMPLATE, self.tile.params(self.head_dim, self.kind, self.window, self.softcap, self.sinks,
-                                                       self.alibi, self.varlen, self.fixed_max), self.module)
+                                                       self.alibi, self.varlen, self.fixed_max, self.kv_cache,
+                                                       self.page_rows), self.module)
 
     def describe(self) -> str:
         return super().describe() + (" fixed max" if self.fixed_max else "")
@@ -135,6 +139,9 @@ class CuteSm90Backend(Backend):
         sinks=True,  # SINKS forward kernels (16-bit); the backward needs nothing (P from the LSE, which counts it)
         alibi=True,  # ALIBI forward and backward kernels (16-bit)
         varlen=True,  # VARLEN forward kernels (16-bit); the backward's: bwd_variants.PACKED (_plan_backward)
+        # KV_CACHE forward kernels (16-bit; paged: page sizes variants.page_rows takes), passed over by automatic
+        # dispatch until variants.KV_CACHE_AUTO (passed_over)
+        kv_cache=frozenset({"contiguous", "paged"}),
         nondeterministic_backward="dQ is summed by TMA reduce-add in the order the CTAs reach it",
         deterministic_backward="dQ summed in key-block order",
     )
@@ -154,13 +161,18 @@ class CuteSm90Backend(Backend):
             reasons.append(f"its {problem.dtype} kernel takes no packed (varlen) batch (the 16-bit ones do)")
         tile, why = variants.pick(kind, problem.head_dim)
         reasons += why
+        rows = 0
+        if tile is not None and problem.kv_cache:
+            rows, pages_why = (variants.page_rows(tile.tile_n, problem.kv_page_size) if problem.kv_cache == "paged"
+                               else (0, []))
+            reasons += pages_why or variants.kv_cache_reasons(tile, problem.kv_cache, rows, kind, problem.varlen)
         if reasons:
             return None, reasons
         fixed_max = variants.fixed_max_serves(problem)
         if fixed_max:
             tile = variants.fixed_max_tile(tile, problem.head_dim)
         return Sm90Variant(tile, kind, problem.head_dim, problem.dtype, problem.causal, **features,
-                           varlen=problem.varlen, fixed_max=fixed_max), []
+                           varlen=problem.varlen, fixed_max=fixed_max, kv_cache=problem.kv_cache, page_rows=rows), []
 
     def _plan_backward(self, problem: Problem) -> Planned:
         reasons = []
@@ -200,6 +212,8 @@ class CuteSm90Backend(Backend):
         return []
 
     def passed_over(self, problem: Problem) -> list[str]:
+        if problem.kv_cache:
+            return self._kv_cache_passed_over(problem)
         lo, hi, measured = variants.TRITON_FASTER.get((cc.KIND[problem.dtype], problem.head_dim), (0, 0, ""))
         if not lo <= problem.seqlen_k < hi:
             return []
@@ -208,6 +222,21 @@ class CuteSm90Backend(Backend):
             return []  # nothing faster can take it: keep it
         return [f"triton_fa2 measured faster at head_dim {problem.head_dim} with {lo} <= seqlen_k < {hi} "
                 f"({measured}; see backends/cute_sm90/variants.py)"]
+
+    def _kv_cache_passed_over(self, problem: Problem) -> list[str]:
+        """A KV-cache call goes to triton_fa2's split-KV kernel, where that can take it, while KV_CACHE_AUTO is off,
+        and for a decode-shaped call: fewer queries than the tile's rows leave most of each tile idle, and the tile
+        splits no keys across CTAs (triton_fa2's kernel packs each KV head's query heads into one tile and does)."""
+        triton = registered().get("triton_fa2")
+        if triton is None or triton.available() or triton.supports(problem):
+            return []  # nothing else fast can take it: keep it
+        reasons = [] if variants.KV_CACHE_AUTO else [variants.KV_CACHE_NOT_AUTO]
+        tile, _ = variants.pick(cc.KIND[problem.dtype], problem.head_dim)
+        if tile is not None and problem.seqlen_q < tile.tile_m:
+            reasons.append(f"seqlen_q {problem.seqlen_q} < its tile's {tile.tile_m} query rows: triton_fa2's split-KV "
+                           "kernel serves decode-shaped calls (each KV head's query heads in one tile, keys split "
+                           "across CTAs)")
+        return reasons
 
     def variants(self, archs=None, dtypes=None, head_dims=None, causal=(False, True), strict=False,
                  deterministic=False, features=()) -> list[Sm90Variant]:

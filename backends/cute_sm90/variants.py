@@ -13,6 +13,7 @@ Where the numbers come from:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ...dispatch.variant import first_that_fits
 
@@ -77,14 +78,20 @@ class Sm90FwdTile:
                 f"{'_to' if self.tma_store else ''}{f'_e{self.exp2_fma_every}' if self.exp2_fma_every else ''}")
 
     def params(self, head_dim: int, kind: str = "16bit", window: bool = False, softcap: bool = False,
-               sinks: bool = False, alibi: bool = False, varlen: bool = False, fixed_max: bool = False) -> dict:
+               sinks: bool = False, alibi: bool = False, varlen: bool = False, fixed_max: bool = False,
+               kv_cache: str = "", page_rows: int = 0) -> dict:
         """The template's parameters; ``window``, ``softcap``, ``sinks``, ``alibi``, ``varlen`` and ``fixed_max``
-        compile in its WINDOW, SOFTCAP, SINKS, ALIBI, VARLEN and FIXED_MAX (softcap without alibi only)."""
+        compile in its WINDOW, SOFTCAP, SINKS, ALIBI, VARLEN and FIXED_MAX (softcap without alibi only);
+        ``kv_cache`` ("contiguous", "paged") its KV_CACHE and PAGED, with ``page_rows`` (kv_cache_reasons)."""
         if fixed_max and not (softcap and not alibi and kind == "16bit"):
             raise ValueError("fixed_max needs softcap without alibi (scores bounded by the cap), 16-bit inputs")
+        reasons = kv_cache_reasons(self, kv_cache, page_rows, kind, varlen)
+        if reasons:
+            raise ValueError("; ".join(reasons))
         return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": padded_head_dim(head_dim, kind),
                 "kind": kind, "o_in_q": self.o_in_q(head_dim, kind), "window": window, "softcap": softcap,
-                "sinks": sinks, "alibi": alibi, "varlen": varlen, "fixed_max": fixed_max}
+                "sinks": sinks, "alibi": alibi, "varlen": varlen, "fixed_max": fixed_max, "kv_cache": kv_cache,
+                "page_rows": page_rows}
 
     def o_in_q(self, head_dim: int, kind: str = "16bit") -> bool:
         """Whether tma_store stages O in Q's buffer (O_IN_Q in the template): each consumer warpgroup writes its 64
@@ -304,6 +311,49 @@ def fixed_max_serves(problem) -> bool:
     """Whether ``problem`` (a dispatch Problem) runs the FIXED_MAX forward: fixed_max_kernel, with a cap no larger
     than dispatch.problem.SMALL_SOFTCAP (the template's FIXED_P_LOG2 = 32 and fp32's exponent range need that)."""
     return fixed_max_kernel(problem.dtype, problem.softcap, problem.alibi) and not problem.softcap_large
+
+
+# KV_CACHE kernels (attention_with_kvcache: a prefill chunk against each sequence's cached keys; KV_CACHE and PAGED
+# in the template) compile for sm_90a with their SASS checked (tests/backends/cute_sm90/test_compile.py) and have not
+# run on a GPU yet: until their GPU tests (tests/backends/cute_sm90/test_gpu_kvcache.py) pass and a same-run benchmark
+# against triton_fa2's KV-cache kernel times them, automatic dispatch passes them over with KV_CACHE_NOT_AUTO and
+# backend="cute_sm90" runs them.
+KV_CACHE_AUTO = False
+KV_CACHE_NOT_AUTO = ("its KV-cache kernels compile for sm_90a but have not run on a GPU yet "
+                     "(backends/cute_sm90/variants.py, KV_CACHE_AUTO); backend='cute_sm90' runs them")
+KV_CACHE_CHOICES = ("", "contiguous", "paged")
+
+
+def page_rows(tile_n: int, page_size: int) -> tuple[int, list[str]]:
+    """PAGED's load size for a tile of ``tile_n`` keys and pages of ``page_size`` positions: the most rows that divide
+    both (each load then lies in one page, and a block is whole loads), or the reason there is none: it must be a
+    multiple of 8, TMA's loads being whole 8-row swizzle atoms of the block's shared-memory layout."""
+    if page_size <= 0:
+        return 0, ["the page size is not given (explain(page_size=...)): its paged kernel is compiled for it"]
+    rows = math.gcd(tile_n, page_size)
+    if rows % 8:
+        return 0, [f"page_size {page_size}: its pages and the tile's {tile_n}-key blocks share no multiple of 8 rows "
+                   f"(its paged kernel loads whole 8-row pieces of a page by TMA)"]
+    return rows, []
+
+
+def kv_cache_reasons(tile: Sm90FwdTile, kv_cache: str, rows: int, kind: str, varlen: bool) -> list[str]:
+    """Why (tile, ``kv_cache``, ``rows``) is not a KV_CACHE kernel the template compiles: the cache kinds it knows, 16-bit
+    inputs, no packed batch beside it, and for "paged" a load size page_rows could give (none otherwise)."""
+    if kv_cache not in KV_CACHE_CHOICES:
+        return [f"kv_cache must be one of {KV_CACHE_CHOICES}, got {kv_cache!r}"]
+    if not kv_cache:
+        return [] if not rows else [f"page_rows {rows} without a paged cache"]
+    reasons = []
+    if kind != "16bit":
+        reasons.append(f"its {kind} kernel reads no KV cache (the 16-bit ones do)")
+    if varlen:
+        reasons.append("a KV cache and a packed (varlen) batch are separate kernels")
+    if kv_cache == "paged" and (rows % 8 or not 8 <= rows <= tile.tile_n or tile.tile_n % rows):
+        reasons.append(f"page_rows {rows} must be a multiple of 8 that divides the tile's {tile.tile_n} keys")
+    if kv_cache == "contiguous" and rows:
+        reasons.append(f"page_rows {rows} without a paged cache")
+    return reasons
 
 
 def served(kind: str) -> str:

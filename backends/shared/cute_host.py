@@ -66,14 +66,19 @@ class CuteVariant(Variant):
 
     @property
     def feature_suffix(self) -> str:
-        """What the features (and a packed batch's VARLEN) add to the module name: "_window_softcap_varlen", ..."""
-        return "".join(f"_{f}" for f in self.features) + ("_varlen" if getattr(self, "varlen", False) else "")
+        """What the features (and a packed batch's VARLEN, a KV cache's KV_CACHE) add to the module name:
+        "_window_softcap_varlen", "_kvcache", "_paged16", ..."""
+        return "".join(f"_{f}" for f in self.features) + ("_varlen" if getattr(self, "varlen", False) else "") + {
+            "": "", "contiguous": "_kvcache", "paged": f"_paged{getattr(self, 'page_rows', 0)}"}[
+            getattr(self, "kv_cache", "")]
 
     @property
     def feature_note(self) -> str:
-        """What the features (and VARLEN) add to describe(): " +window+softcap packed (varlen)", ..."""
+        """What the features (VARLEN, KV_CACHE) add to describe(): " +window+softcap packed (varlen)", ..."""
         return (f" +{'+'.join(self.features)}" if self.features else "") + (
-            " packed (varlen)" if getattr(self, "varlen", False) else "")
+            " packed (varlen)" if getattr(self, "varlen", False) else "") + {
+            "": "", "contiguous": " KV cache",
+            "paged": f" paged KV cache ({getattr(self, 'page_rows', 0)}-row loads)"}[getattr(self, "kv_cache", "")]
 
     def describe(self) -> str:
         return f"fwd {self.tile.describe()}{self.feature_note}"
@@ -97,8 +102,9 @@ def score_arguments(variant, call, scale: float) -> tuple[tuple, float]:
     slopes (batch, heads_q) negated and divided by the unit of the kernel's raw scores (scale, or the softcap)."""
     extra = ()
     scale_log2 = scale * LOG2_E
-    if variant.window:
-        extra = window_arguments(call.mask.window_bounds, call.q.shape[2], call.k.shape[2])
+    if variant.window:  # (a KV cache's k is its rows or pages: its sequences are at most cache.longest long)
+        extra = window_arguments(call.mask.window_bounds, call.q.shape[2],
+                                 call.cache.longest if call.cache is not None else call.k.shape[2])
     if variant.softcap:
         extra, scale_log2 = (*extra, scale / call.softcap), call.softcap * LOG2_E
     if variant.sinks:
@@ -109,12 +115,16 @@ def score_arguments(variant, call, scale: float) -> tuple[tuple, float]:
 
 
 def trailing_arguments(variant, call, scale: float) -> tuple[tuple, float]:
-    """(a forward kernel's arguments after max_ctas: a packed (VARLEN) kernel's offsets and tile table, then the
-    score features' values; the scale_log2 it takes) for ``call``: score_arguments and cute_varlen.packed_arguments
-    where the variant has them, else nothing and scale * log2(e)."""
+    """(a forward kernel's arguments after max_ctas: a packed (VARLEN) kernel's offsets and tile table, or a KV_CACHE
+    kernel's key counts (and block table), then the score features' values; the scale_log2 it takes) for ``call``:
+    score_arguments and cute_varlen.packed_arguments where the variant has them, else nothing and scale * log2(e)."""
     extra, scale_log2 = score_arguments(variant, call, scale) if variant.features else ((), scale * LOG2_E)
     if variant.varlen:
         extra = (*packed_arguments(variant, call.varlen), *extra)
+    kv_cache = getattr(variant, "kv_cache", "")
+    if kv_cache:
+        cache = call.cache
+        extra = (cache.seqlens, *((cache.block_table,) if kv_cache == "paged" else ()), *extra)
     return extra, scale_log2
 
 
@@ -155,14 +165,15 @@ def elements(dtype: str, arch: str):
 
 def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = False,
                    tail_split: bool = False, window: bool = False, softcap: bool = False, sinks: bool = False,
-                   alibi: bool = False, varlen: bool = False):
+                   alibi: bool = False, varlen: bool = False, kv_cache: str = ""):
     """Fake arguments for cute.compile: q, k, v, out (batch, heads, seqlen, head_dim) with symbolic sizes
     and strides (16-byte aligned rows, as TMA needs), fp32 LSE (batch, heads, seqlen), then for FP8
     the descales (3, batch, heads_kv) in fp32, then scale_log2, with ``takes_max_ctas`` the Int32 CTA count a
     persistent kernel may launch (cute_sm90's take it; pass the SM count), with ``tail_split`` the pieces'
     fp32 workspaces (pieces, tile_m, head_dim) and (pieces, tile_m) and two Int32 counts (see cute_sm90/tail_split.py),
     with ``varlen`` the int32 offsets cu_seqlens_q and cu_seqlens_k (batch + 1,) and the tile table (tiles, 2) (see
-    cute_varlen.py),
+    cute_varlen.py), with ``kv_cache`` ("contiguous", "paged") the int32 key counts (batch,) and for "paged" the int32
+    block table (batch, max_pages) (k and v then have a batch of their own: the cache's rows or pages),
     with ``window`` the Int32 window bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, with
     ``sinks`` the fp32 sink logits (heads_q,), with ``alibi`` the fp32 slopes (batch, heads_q), and the stream.
     FP8's v is V^T (batch, heads_kv, head_dim, seqlen_k padded to 32): see cute_sm90/v_layout.py."""
@@ -179,7 +190,8 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
 
     lse = make_fake_tensor(cutlass.Float32, (batch, heads_q, seqlen_q), (cute.sym_int64(), cute.sym_int64(), 1),
                            assumed_align=4)
-    q, k = tensor(element, batch, heads_q, seqlen_q, head_dim), tensor(element, batch, heads_kv, seqlen_k, head_dim)
+    kv_batch = cute.sym_int32() if kv_cache else batch  # (a KV cache's rows or pages)
+    q, k = tensor(element, batch, heads_q, seqlen_q, head_dim), tensor(element, kv_batch, heads_kv, seqlen_k, head_dim)
     out = tensor(out_element, batch, heads_q, seqlen_q, head_dim)
     max_ctas = (cutlass.Int32(1),) if takes_max_ctas else ()
     split = ()
@@ -189,11 +201,11 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, takes_max_ctas: bool = 
                                   assumed_align=16),
                  make_fake_tensor(cutlass.Float32, (pieces, rows), (cute.sym_int64(), 1), assumed_align=4),
                  cutlass.Int32(1), cutlass.Int32(1))
-    packed = fake_packed() if varlen else ()
+    packed = fake_packed() if varlen else fake_cache(batch, kv_cache)
     scores = fake_scores(batch, heads_q, window=window, softcap=softcap, sinks=sinks, alibi=alibi, varlen=varlen)
     tail = (cutlass.Float32(1.0), *max_ctas, *split, *packed, *scores, make_fake_stream(use_tvm_ffi_env_stream=True))
     if dtype != "fp8":
-        return (q, k, tensor(element, batch, heads_kv, seqlen_k, head_dim), out, lse, *tail)
+        return (q, k, tensor(element, kv_batch, heads_kv, seqlen_k, head_dim), out, lse, *tail)
     v_t = tensor(element, batch, heads_kv, head_dim, seqlen_v)
     descale = make_fake_tensor(cutlass.Float32, (3, batch, heads_kv), (cute.sym_int64(), cute.sym_int64(), 1),
                                assumed_align=4)
@@ -209,6 +221,21 @@ def fake_packed() -> tuple:
 
     return (*(make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4) for _ in range(2)),
             make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=8))
+
+
+def fake_cache(batch, kv_cache: str) -> tuple:
+    """A KV_CACHE kernel's fake int32 key counts (batch,) and, for a "paged" cache, block table (batch, max_pages);
+    nothing for ``kv_cache`` "". (cutlass is imported for the target arch already.)"""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    if not kv_cache:
+        return ()
+    seqlens = make_fake_tensor(cutlass.Int32, (batch,), (1,), assumed_align=4)
+    if kv_cache != "paged":
+        return (seqlens,)
+    return seqlens, make_fake_tensor(cutlass.Int32, (batch, cute.sym_int32()), (cute.sym_int64(), 1), assumed_align=4)
 
 
 def fake_scores(batch, heads_q, *, window: bool = False, softcap: bool = False, sinks: bool = False,
@@ -233,10 +260,11 @@ def fake_scores(batch, heads_q, *, window: bool = False, softcap: bool = False, 
 def compile_arguments(module, dtype: str, causal: bool, arch: str):
     """runtime.cute's factory for these backends' kernels: the generated module's Forward for (dtype, causal)
     and the fake arguments it is traced with (the module says whether it takes the CTA count and the tail
-    split's workspaces, a packed batch's offsets and tile table and the score features' values: MAX_CTAS_ARGUMENT,
-    TAIL_SPLIT, VARLEN, WINDOW, SOFTCAP, SINKS, ALIBI)."""
+    split's workspaces, a packed batch's offsets and tile table, a KV cache's key counts and block table and the
+    score features' values: MAX_CTAS_ARGUMENT, TAIL_SPLIT, VARLEN, KV_CACHE, PAGED, WINDOW, SOFTCAP, SINKS, ALIBI)."""
     element, out_element = elements(dtype, arch)
+    kv_cache = "paged" if getattr(module, "PAGED", False) else "contiguous" if getattr(module, "KV_CACHE", False) else ""
     args = fake_arguments(dtype, getattr(module, "INPUT_HEAD_DIM", module.HEAD_DIM), arch, takes_max_ctas=getattr(module, "MAX_CTAS_ARGUMENT", False),
                           tail_split=getattr(module, "TAIL_SPLIT", False), varlen=getattr(module, "VARLEN", False),
-                          **{f: getattr(module, f.upper(), False) for f in SCORE_FEATURES})
+                          kv_cache=kv_cache, **{f: getattr(module, f.upper(), False) for f in SCORE_FEATURES})
     return module.Forward(element, out_element, causal), args

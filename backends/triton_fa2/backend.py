@@ -126,6 +126,8 @@ class TritonFA2Backend(Backend):
         alibi=True,  # ALIBI kernels
         kv_cache=frozenset({"contiguous", "paged"}),  # templates/triton_kvcache.py.jinja: split-KV, pack-GQA
         kv_cache_fp8=True,  # its FP8_KV kernels, on the archs of FP8_KV_ARCHS
+        kv_leftpad=True,
+        kv_unchecked=True,  # lengths and pages outside the cache give NaN rows; nothing outside it is read
         varlen=True,  # the VARLEN kernels: one launch for a packed batch, a sequence's rows found by its offsets
     )
     # the multiprocessors the split heuristic fills when the interpreter runs the kernels (few: tests split)

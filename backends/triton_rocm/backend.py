@@ -27,5 +27,7 @@ class TritonRocmBackend(TritonFA2Backend):
         alibi=True,  # and its ALIBI kernels
         kv_cache=frozenset({"contiguous", "paged"}),  # the shared KV-cache template, with CDNA tiles
         kv_cache_fp8=False,  # the template's FP8_KV reads e4m3fn; CDNA3's fp8 is e4m3fnuz (not wired yet)
+        kv_leftpad=True,
+        kv_unchecked=True,  # lengths and pages outside the cache give NaN rows; nothing outside it is read
         varlen=True,  # the VARLEN kernels: one launch for a packed batch, a sequence's rows found by its offsets
     )

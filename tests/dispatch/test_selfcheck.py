@@ -340,3 +340,24 @@ def test_a_packed_batch_variant_is_checked_on_its_own_path(fresh, monkeypatch, g
     assert rel_error(out[5:], ref[0].transpose(0, 1)) < 1e-5
     attnforge.attention(q[None, :5].transpose(1, 2), k[None, :5].transpose(1, 2), v[None, :5].transpose(1, 2))
     assert attnforge.last_decision().forward.backend == "sdpa"  # the dense path passed its own check
+
+
+@pytest.mark.parametrize("kv_cache, page_size", [("contiguous", 0), ("paged", 16), ("paged", 50), ("paged", 256)])
+def test_a_kv_cache_variant_is_judged_on_a_cache_with_nan_past_the_keys(kv_cache, page_size):
+    """The tiny KV-cache problem's cache holds NaN past its keys (in rows, or pages of the problem's page size, the
+    last one part-filled): the reference, which reads only each sequence's positions, passes; a kernel that lets a
+    position past the length in (here: the reference told every row is full) is caught."""
+    problem = attnforge.explain(device="cpu", dtype="fp32", head_dim=32, seqlen_q=7, seqlen_k=64, kv_cache=kv_cache,
+                                page_size=page_size, backend="reference").problem
+    reference = registered()["reference"]
+    variant, _ = reference.plan(problem)
+    assert selfcheck._run(reference, variant, problem) == ()
+
+    class ReadsPastTheKeys(type(reference)):
+        def forward(self, variant, call):
+            capacity = call.k.shape[2] * (call.cache.block_table.shape[1] if call.cache.block_table is not None else 1)
+            full = call.cache._replace(seqlens=torch.full_like(call.cache.seqlens, capacity))
+            return super().forward(variant, call._replace(cache=full))
+
+    assert selfcheck._run(ReadsPastTheKeys(), variant, problem) == (
+        "self-check failed: NaN or inf in the output of a tiny problem",)

@@ -197,6 +197,51 @@ def test_varlen_variant_compiles_with_tma_loads_and_both_stores(tmp_path, varian
     assert usage["stack_bytes"] <= allowed and usage["local_bytes"] == 0, usage
 
 
+# attention_with_kvcache's kernels (KV_CACHE, PAGED): per tile family, the page loads the planner can pick
+# (variants.page_rows: the most rows dividing both the tile's keys and the page size), both causalities
+KV_CACHE_LOADS = {64: (64, 16), 80: (16,), 96: (16,), 128: (128, 64, 16), 256: (64,)}
+# measured here (stack bytes): d=64's causal kernels 16 contiguous (as without a cache), 32 paged; the others 0. Not
+# yet run on a GPU.
+KV_CACHE_SPILL_BYTES = {64: 32}
+
+
+def kv_cache_sass(tmp_path, variant) -> tuple[str, int]:
+    """Compile a KV_CACHE variant for sm_90a; its SASS and UTMALDG count, having checked what each has: WGMMA, register
+    reallocation, O's TMA store, a shared-memory store (the zeroed stale rows of V) and no spill beyond the table's."""
+    folder = tmp_path / variant.module
+    cute.compile_to(variant.build, str(folder))
+    (cubin,) = folder.glob("*.sm_90a.cubin")
+    sass = cuobjdump("-sass", str(cubin))
+    assert re.search(r"\bHGMMA\.", sass) and re.search(r"\bUTMASTG\b", sass) and re.search(r"\bSTS\.", sass)
+    assert len(re.findall(r"\bUSETMAXREG\.", sass)) == 2
+    usage = resources(cubin.read_bytes())
+    allowed = max(variant.tile.accepted_spill_bytes, KV_CACHE_SPILL_BYTES.get(variant.head_dim, 0))
+    assert usage["stack_bytes"] <= allowed and usage["local_bytes"] == 0, usage
+    return sass, len(re.findall(r"\bUTMALDG\.", sass))
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("head_dim", sorted(KV_CACHE_LOADS))
+def test_kv_cache_kernels_load_each_block_in_page_pieces(tmp_path, head_dim, causal):
+    """A contiguous cache's kernel loads Q, K and V by TMA as the dense one does, one TMA load per box of columns
+    each; a paged one loads each K and V block in TILE_N // PAGE_ROWS pieces by a loop over the same TMA loads (of
+    PAGE_ROWS rows: the GPU tests check what they load), so its SASS has as many."""
+    tile, _ = variants.pick("16bit", head_dim)
+    contiguous = Sm90Variant(tile, "16bit", head_dim, "bf16", causal, kv_cache="contiguous")
+    _, loads = kv_cache_sass(tmp_path, contiguous)
+    assert loads % 3 == 0  # (Q, K and V: the same column boxes)
+    for rows in KV_CACHE_LOADS[head_dim]:
+        paged = Sm90Variant(tile, "16bit", head_dim, "bf16", causal, kv_cache="paged", page_rows=rows)
+        assert kv_cache_sass(tmp_path, paged)[1] == loads, rows
+
+
+def test_kv_cache_kernel_with_every_score_feature_compiles_without_spills(tmp_path):
+    tile, _ = variants.pick("16bit", 128)
+    variant = Sm90Variant(tile, "16bit", 128, "bf16", True, window=True, softcap=True, sinks=True, alibi=True,
+                          kv_cache="paged", page_rows=16)
+    kv_cache_sass(tmp_path, variant)
+
+
 def backward_sass(tmp_path, variant, spill_bytes: int) -> str:
     """Compile a backward variant for sm_90a and return its SASS, having checked what every backward kernel has: TMA
     loads, dQ's TMA reduce-add, dS stored by stmatrix, register reallocation between producer and consumers, WGMMAs
