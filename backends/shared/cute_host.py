@@ -122,9 +122,11 @@ def trailing_arguments(variant, call, scale: float) -> tuple[tuple, float]:
     if variant.varlen:
         extra = (*packed_arguments(variant, call.varlen), *extra)
     kv_cache = getattr(variant, "kv_cache", "")
-    if kv_cache:
+    if kv_cache:  # (the kernel takes unit inner strides: a strided view of either is copied, a few bytes a row)
         cache = call.cache
-        extra = (cache.seqlens, *((cache.block_table,) if kv_cache == "paged" else ()), *extra)
+        table = cache.block_table
+        pages = (table if table.stride(-1) == 1 else table.contiguous(),) if kv_cache == "paged" else ()
+        extra = (cache.seqlens.contiguous(), *pages, *extra)
     return extra, scale_log2
 
 
