@@ -10,8 +10,9 @@ Prediction: the entry of the same plan, mode, dtype class, head dims, causality 
 nearest in log2 of (seqlen_q, seqlen_k, batch x heads_q), each within a factor of 2 (entries equally near, as
 for a problem between two measured classes, are averaged); the predicted time is the problem's FLOPs over
 that TFLOP/s. fp16 uses bf16's figures (the same kernels and tiles). Anything
-else is "unmeasured", as are windows, mask tensors, top-left causal, dropout, softcap, sinks, ALiBi, fp8 KV
-caches and packed (varlen) batches (tables time none of them).
+else is "unmeasured", as are windows, mask tensors, top-left causal, dropout, softcap, sinks, ALiBi, KV caches
+and packed (varlen) batches (tables time none of them: a KV-cache call runs other kernels than the dense call of its
+shape, triton_fa2's split-KV kernel or cute_sm90's KV_CACHE one).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class CostTable:
         """The predicted time of ``plan`` on ``problem`` (None: no entry covers its class)."""
         m = problem.mask
         if (m.windowed or m.tensor or m.top_left or problem.dropout or problem.score_features or problem.varlen
-                or problem.kv_dtype):
+                or problem.kv_cache):
             return None  # classes tables do not measure: dense figures would mislead
         dtype = _DTYPE_CLASS.get(problem.dtype, problem.dtype)
         nearest, distance = [], math.inf

@@ -323,3 +323,19 @@ def test_tune_models_only_measures_the_model_shapes(monkeypatch):
     with pytest.raises(Measured) as measured:
         tune("--head-dim", "64")
     assert len(measured.value.args[0]) > len(bench_costs.MODEL_SHAPES)
+
+
+@pytest.mark.cost_tables
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+def test_kv_cache_calls_are_unmeasured(kv_cache):
+    """A KV-cache call runs other kernels than the dense call of its shape (triton_fa2's split-KV kernel, cute_sm90's
+    KV_CACHE one), so the table's dense figure for that shape (decode, batch 64 x 8k, is in it) does not rank them."""
+    if costs.table("sm90") is None:
+        pytest.skip("no sm90 cost table in this build")
+    select.decide.cache_clear()
+    shape = dict(device="H200", dtype="bf16", head_dim=128, seqlen_q=1, seqlen_k=8192, batch=64, heads=32, kv_heads=8,
+                 causal=False)
+    assert costs.table("sm90").estimate("triton_fa2", explain(**shape).problem, "fwd") is not None  # (the dense call)
+    d = explain(**shape, kv_cache=kv_cache, page_size=64 if kv_cache == "paged" else 0)
+    assert d.forward.backend == "triton_fa2"
+    assert {c.backend: c.evidence for c in d.forward.candidates}["triton_fa2"] == "unmeasured", d.forward
