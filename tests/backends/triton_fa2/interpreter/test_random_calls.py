@@ -1,0 +1,87 @@
+"""Random attention() calls on triton_fa2 in Triton's interpreter, forward and backward, against fp64 math: each seed
+draws a combination the feature tests take one at a time (layout and strides of each input, GQA, odd and unequal
+lengths, causal, a window, softcap, sinks, ALiBi, the scale's sign, gradients), so that their interactions are
+checked too. fp16 (the interpreter's bf16 dot is not exact: docs/kernel-notes.md, section 6); outputs NaN-filled
+before the run (poisoned_empty). Runs with TRITON_INTERPRET=1 in its own process (test_interpreter_suite.py)."""
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs TRITON_INTERPRET=1 in its own process (test_interpreter_suite starts it)")
+
+import attnforge  # noqa: E402
+from attnforge.api import _causal_mask  # noqa: E402
+from attnforge.testing import assert_close, assert_grads_close, oracle, peer_error  # noqa: E402
+
+SEEDS = range(160)  # (400 seeds passed when this was written; 160 keep the suite under a minute)
+LAYOUTS = ("contiguous", "sliced", "permuted")
+
+
+def tensor(shape, layout: str, rnd: random.Random, gen) -> torch.Tensor:
+    """A (batch, seqlen, heads, dim) fp16 tensor laid out as ``layout`` says: dense, a strided slice of a larger
+    one, or a permuted copy (heads outermost, seqlen innermost but one)."""
+    b, s, h, d = shape
+    if layout == "sliced":
+        return torch.randn(b, s + 3, h + 1, d + 8, generator=gen).half()[:, 2:2 + s, :h, 4:4 + d]
+    if layout == "permuted":
+        return torch.randn(h, b, d, s, generator=gen).half().permute(1, 3, 0, 2)
+    return torch.randn(b, s, h, d, generator=gen).half()
+
+
+def draw(seed: int) -> dict:
+    rnd = random.Random(seed)
+    heads_kv = rnd.choice((1, 2))
+    seqlen_q = rnd.choice((1, 3, 17, 70))
+    return dict(batch=rnd.choice((1, 2)), heads_kv=heads_kv, heads_q=heads_kv * rnd.choice((1, 2, 3)),
+                head_dim=rnd.choice((32, 64)), seqlen_q=seqlen_q,
+                seqlen_k=seqlen_q if rnd.random() < 0.4 else rnd.choice((1, 5, 17, 90)),
+                layouts=[rnd.choice(LAYOUTS) for _ in range(3)], bhsd=rnd.random() < 0.5, causal=rnd.random() < 0.5,
+                window=(rnd.choice((-1, 0, 3, 20)), rnd.choice((-1, 0, 5))) if rnd.random() < 0.3 else (-1, -1),
+                softcap=rnd.choice((0.0, 0.0, 5.0)), sinks=rnd.random() < 0.25, alibi=rnd.random() < 0.2,
+                scale=rnd.choice((None, None, 0.3, -0.2)), grad=rnd.random() < 0.6)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_random_call_matches_fp64_math(seed, poisoned_empty):
+    c = draw(seed)
+    gen = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed + 1)
+    b, hq, hkv, d, nq, nk = (c[k] for k in ("batch", "heads_q", "heads_kv", "head_dim", "seqlen_q", "seqlen_k"))
+    q, k, v = (tensor(shape, layout, rnd, gen) for shape, layout in
+               zip(((b, nq, hq, d), (b, nk, hkv, d), (b, nk, hkv, d)), c["layouts"]))
+    if c["bhsd"]:  # (the same strides seen the other way round)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    q, k, v = (t.detach().requires_grad_(c["grad"]) for t in (q, k, v))
+    sinks = (torch.randn(hq, generator=gen) * 2).requires_grad_(c["grad"]) if c["sinks"] else None
+    slopes = torch.rand(hq, generator=gen) * 0.5 if c["alibi"] else None
+    features = dict(softcap=c["softcap"], sinks=sinks, alibi_slopes=slopes)
+    out, lse = attnforge.attention(q, k, v, causal=c["causal"], window_size=c["window"], scale=c["scale"],
+                                   layout="bhsd" if c["bhsd"] else "bshd", return_lse=True, backend="triton_fa2",
+                                   **features)
+    assert attnforge.last_decision().forward.backend == "triton_fa2", c
+    as_bhsd = (lambda t: t) if c["bhsd"] else (lambda t: t.transpose(1, 2))
+    inputs = [as_bhsd(t).detach() for t in (q, k, v)]
+    dout = torch.randn(inputs[0].shape, generator=gen).half() if c["grad"] else None
+    mask = _causal_mask(c["causal"], c["window"])
+    ref, ref_lse, ref_grads = oracle(*inputs, mask=mask, scale=c["scale"], dout=dout, **features)
+    peer, peer_grads = peer_error(*inputs, mask=mask, scale=c["scale"], dout=dout, **features)
+    ulps = 4 * math.sqrt(max(nk, d))
+    assert_close(f"out {c}", as_bhsd(out), ref, peer, ulps=ulps)
+    assert_close(f"lse {c}", lse, ref_lse, ref_lse.float(), ulps=ulps)
+    if not c["grad"]:
+        return
+    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
+    grads = torch.autograd.grad(as_bhsd(out), leaves, dout)
+    scale = abs(c["scale"]) if c["scale"] is not None else d ** -0.5
+    # the tests' rule for gradients (rows that see exactly one key are pure cancellation: testing.assert_grads_close)
+    assert_grads_close([as_bhsd(g) for g in grads[:3]], ref_grads[:3], peer_grads[:3], *inputs, dout, mask, scale,
+                       8 * math.sqrt(max(nq, nk, d)))
+    if sinks is not None:  # dsinks as its formula in fp64 on this call's own O and LSE (test_sinks.py says why)
+        share = torch.exp(sinks.detach().double()[None, :, None] - lse.detach().double())
+        want = -(share * (dout.double() * as_bhsd(out).detach().double()).sum(-1)).sum((0, 2))
+        assert_close(f"dsinks {c}", grads[3], want, want.float(), ulps=ulps * math.sqrt(2 * nq))
