@@ -129,7 +129,10 @@ class Problem:
 
     @property
     def empty(self) -> bool:
-        return 0 in (self.batch, self.heads_q, self.seqlen_q, self.seqlen_k)
+        """A zero-sized grid: no batch, heads or queries, or no keys; except that a KV-cache call whose sequences all
+        have no keys is not (its kernels run a tile per query block as ever, and each writes zeros and an LSE of
+        -inf, or the sink's, for a sequence with no keys)."""
+        return 0 in (self.batch, self.heads_q, self.seqlen_q) or (self.seqlen_k == 0 and not self.kv_cache)
 
     def describe(self) -> str:
         heads = f"{self.heads_q}" if not self.gqa else f"{self.heads_q}/{self.heads_kv}kv"

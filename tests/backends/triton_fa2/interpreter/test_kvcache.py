@@ -253,3 +253,19 @@ def test_unchecked_calls_match_checked_ones_and_bad_values_give_nan_rows(backend
     assert torch.equal(out[0], checked[0][0]) and torch.equal(out[2], checked[0][2])
     with pytest.raises(attnforge.InvalidInputError, match="outside the cache|between 0 and"):
         attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+def test_a_batch_whose_sequences_all_have_no_keys_is_served(backend, with_sinks, gen, poisoned_empty):
+    """Every cache_seqlens 0 (a fresh batch before its first append): the kernel still runs, each row 0 and its LSE
+    -inf, or with sinks the sink's logit (what a row that sees no key gets)."""
+    k_cache, v_cache = filled(gen, [0, 0], 64, 2)
+    q = torch.randn(2, 3, 4, D, generator=gen).half()
+    sinks = torch.randn(4, generator=gen) if with_sinks else None
+    out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.zeros(2, dtype=torch.int32),
+                                                causal=True, sinks=sinks, return_lse=True, backend=backend)
+    assert attnforge.last_decision().forward.backend == backend
+    assert torch.equal(out, torch.zeros_like(out))
+    no_key = torch.full_like(lse, -math.inf) if sinks is None else sinks[None, :, None].expand_as(lse)
+    assert torch.equal(lse, no_key)

@@ -85,3 +85,57 @@ def test_a_random_call_matches_fp64_math(seed, poisoned_empty):
         share = torch.exp(sinks.detach().double()[None, :, None] - lse.detach().double())
         want = -(share * (dout.double() * as_bhsd(out).detach().double()).sum(-1)).sum((0, 2))
         assert_close(f"dsinks {c}", grads[3], want, want.float(), ulps=ulps * math.sqrt(2 * nq))
+
+
+def draw_kvcache(seed: int) -> dict:
+    rnd = random.Random(seed)
+    heads_kv = rnd.choice((1, 2))
+    capacity = rnd.choice((16, 33, 80, 130))
+    new = rnd.choice((0, 0, 1, 3))
+    lengths = [rnd.randint(0, capacity - new) for _ in range(rnd.choice((1, 2, 3)))]
+    return dict(heads_kv=heads_kv, heads_q=heads_kv * rnd.choice((1, 2, 3)), seqlen_q=rnd.choice((1, 1, 2, 5, 17)),
+                new=new, capacity=capacity, lengths=lengths, page_size=rnd.choice((0, 16, 32, 64)),
+                leftpad=[rnd.randint(0, n) for n in lengths] if rnd.random() < 0.3 else None,
+                causal=rnd.random() < 0.5,
+                window=(rnd.choice((-1, 0, 3, 20)), rnd.choice((-1, 0, 5))) if rnd.random() < 0.3 else (-1, -1),
+                softcap=rnd.choice((0.0, 0.0, 5.0, 30.0)), sinks=rnd.random() < 0.3,
+                num_splits=rnd.choice((0, 0, 1, 2, 3, 7)), scale=rnd.choice((None, 0.3)))
+
+
+@pytest.mark.parametrize("seed", range(96))
+def test_a_random_kvcache_call_matches_fp64_math(seed, poisoned_empty):
+    """attention_with_kvcache with a random draw of the same kind (test_kvcache.py's helpers: NaN wherever no
+    sequence owns a cache position, pages shuffled in a pool): appends, left pads, page sizes, splits."""
+    from .test_kvcache import D, as_pages, check, expected, filled, random_table
+
+    c = draw_kvcache(seed)
+    gen = torch.Generator().manual_seed(seed)
+    lengths, new, capacity, hq, hkv = c["lengths"], c["new"], c["capacity"], c["heads_q"], c["heads_kv"]
+    batch = len(lengths)
+    k_cache, v_cache = filled(gen, lengths, capacity, hkv)
+    q = torch.randn(batch, c["seqlen_q"], hq, D, generator=gen).half()
+    k_new, v_new = ((torch.randn(batch, new, hkv, D, generator=gen).half() for _ in range(2)) if new else (None, None))
+    sinks = torch.randn(hq, generator=gen) * 2 if c["sinks"] else None
+    pads = c["leftpad"] or [0] * batch
+    kwargs = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32), causal=c["causal"], window_size=c["window"],
+                  softcap=c["softcap"], sinks=sinks, num_splits=c["num_splits"], scale=c["scale"], return_lse=True,
+                  cache_leftpad=torch.tensor(pads, dtype=torch.int32) if c["leftpad"] else None, backend="triton_fa2")
+    dense_k, dense_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lengths):
+        if new:
+            dense_k[b, n:n + new], dense_v[b, n:n + new] = k_new[b], v_new[b]
+    page = c["page_size"]
+    if page:
+        per_seq = -(-capacity // page)
+        k_cache, v_cache = (torch.cat([t, torch.full((batch, per_seq * page - capacity, *t.shape[2:]), float("nan"),
+                                                      dtype=t.dtype)], 1) for t in (k_cache, v_cache))
+        table = random_table(gen, batch, per_seq, batch * per_seq + 2)
+        pages = [as_pages(t, table, page, batch * per_seq + 2) for t in (k_cache, v_cache)]
+        out, lse = attnforge.attention_with_kvcache(q, *pages, k_new, v_new, block_table=table, **kwargs)
+    else:
+        out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
+    assert attnforge.last_decision().forward.backend == "triton_fa2", c
+    ends = [n + new for n in lengths]
+    scale = c["scale"] if c["scale"] is not None else D ** -0.5
+    check(out, lse, expected(q, dense_k, dense_v, pads, ends, _causal_mask(c["causal"], c["window"]), scale,
+                             c["softcap"], sinks), max(ends))
