@@ -7,11 +7,13 @@
 #   sweep  the table's backward kernels, served or not (benchmarks/sweep_bwd_sm90.py: each checked against fp64 first),
 #          at SWEEP_DIMS (default 256) and N=1k/4k/16k, beside cuDNN and FA4, deterministic forms included.
 #   twin   an A/B of template options: the table's tiles at AB_DIMS (default 128) beside their twins with the boolean
-#          Sm90BwdTile fields of each word of TWIN turned on (fields joined by +; sweep_bwd_sm90.py --twin), N=1k/4k/16k,
+#          Sm90BwdTile fields of each word of TWIN turned on, or FIELD=N set (fields joined by +; sweep_bwd_sm90.py
+#          --twin), N=1k/4k/16k,
 #          5 rounds, with the peers.
 #   profile where a step's GPU time goes at d=128, N=1k and 16k (benchmarks/profile_step.py), beside cuDNN and FA4.
 #   bash benchmarks/run_backward.sh OUTDIR;  STEPS="tests sweep" TESTS_K=256 bash benchmarks/run_backward.sh OUTDIR
-#   STEPS="twin profile" TWIN="stats_ahead ds_key_major tma_store_dkv stats_ahead+ds_key_major+tma_store_dkv" \
+#   STEPS="twin profile" TWIN="stats_ahead ds_key_major tma_store_dkv stats_ahead+ds_key_major+tma_store_dkv \
+#   tile_m=80+dq_transposed tile_m=80+dq_transposed+ds_key_major+tma_store_dkv" \
 #     bash benchmarks/run_backward.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: bash benchmarks/run_backward.sh OUTDIR}; mkdir -p "$out"

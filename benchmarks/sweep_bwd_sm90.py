@@ -12,9 +12,9 @@ committed beside them.
     python benchmarks/sweep_bwd_sm90.py [--head-dim 64,128] [--seqlen 16384] [--tokens 16384] [--rounds 3]
         [--jobs 8] [--twin stats_ahead] [--no-deterministic] [--json out.json]
 
---twin FIELD[+FIELD...] adds, beside each table tile, its twin with those boolean Sm90BwdTile fields turned on (an A/B
-of template options in the same rounds; a twin the table's check refuses is left out); --no-deterministic leaves out
-the deterministic forms.
+--twin FIELD[+FIELD...] adds, beside each table tile, its twin with those boolean Sm90BwdTile fields turned on, or
+FIELD=N set (tile_m=80+dq_transposed: FlashAttention-3's 80-row block at d=128); an A/B of template options in the
+same rounds; a twin the table's check refuses is left out; --no-deterministic leaves out the deterministic forms.
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ CANDIDATES = {d: list(tiles) for d, tiles in BWD.items()}
 
 
 def twins(tiles, options: list[str], head_dim: int) -> list:
-    """Each of ``tiles`` with the boolean fields of each option ("field+field") turned on, where that changes the tile
-    and the table's check accepts it at ``head_dim``."""
+    """Each of ``tiles`` with the fields of each option ("field+field", a boolean field turned on, or "field=int" set)
+    changed, where that changes the tile and the table's check accepts it at ``head_dim``."""
     out = []
     for fields in options:
+        changes = {f.split("=")[0]: int(f.split("=")[1]) if "=" in f else True for f in fields.split("+")}
         for tile in tiles:
-            twin = dataclasses.replace(tile, **dict.fromkeys(fields.split("+"), True))
+            twin = dataclasses.replace(tile, **changes)
             if twin != tile and not check(twin, head_dim):
                 out.append(twin)
     return out

@@ -95,6 +95,9 @@ class Sm90BwdTile:
     # dK and dV stored through shared memory by two TMA stores (TMA_STORE_DKV in the template; packed batches keep the
     # element-wise stores)
     tma_store_dkv: bool = False
+    # dQ computed transposed, dQ^T = K^T dS^T (DQ_TRANSPOSED in the template), so tile_m need not be a multiple of 64:
+    # FlashAttention-3's 80-row query block at head dim 128 without a causal mask
+    dq_transposed: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -102,7 +105,8 @@ class Sm90BwdTile:
 
     def module(self, head_dim: int) -> str:
         options = "".join(suffix for on, suffix in ((self.split_head_dim, "_sd"), (self.stats_ahead, "_sa"),
-                                                    (self.ds_key_major, "_dk"), (self.tma_store_dkv, "_ts")) if on)
+                                                    (self.ds_key_major, "_dk"), (self.tma_store_dkv, "_ts"),
+                                                    (self.dq_transposed, "_dt")) if on)
         return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{options}"
 
     def params(self, head_dim: int) -> dict:
@@ -128,13 +132,17 @@ class Sm90BwdTile:
             half = head_dim // 2
             return (2 * 64 * half + max(2 * 64 * self.tile_m // 2, self.tile_m * half)) // 128 + REGISTER_OVERHEAD
         stats = self.tile_m // 4 if self.stats_ahead else 0  # a thread's columns' LSE (or delta)
+        if self.dq_transposed:  # S^T and dP^T (fp32), or later P^T and dS^T (16-bit) beside dQ^T's 64 x tile_m
+            busiest = max(2 * 64 * self.tile_m, 64 * self.tile_m + 64 * self.tile_m)
+            return (2 * 64 * head_dim + busiest) // 128 + stats + REGISTER_OVERHEAD
         return (2 * 64 * head_dim + 2 * 64 * self.tile_m + 64 * self.tile_m // 2) // 128 + stats + REGISTER_OVERHEAD
 
     def describe(self) -> str:
         options = "".join(note for on, note in ((self.split_head_dim, " splitting the head dim"),
                                                 (self.stats_ahead, ", row stats ahead"),
                                                 (self.ds_key_major, ", dS key-major"),
-                                                (self.tma_store_dkv, ", dK/dV by TMA")) if on)
+                                                (self.tma_store_dkv, ", dK/dV by TMA"),
+                                                (self.dq_transposed, ", dQ transposed")) if on)
         return f"{self.tile_m}x{self.tile_n} s{self.q_stages} {self.consumer_warpgroups} consumer warpgroups{options}"
 
 
@@ -165,8 +173,16 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
             reasons.append("split_head_dim reads dS's bytes as dS^T for dK: ds_key_major does not apply")
     elif tile.tile_n != 128:
         reasons.append(f"tile_n {tile.tile_n} != 128 (two consumer warpgroups of 64 keys)")
-    if tile.tile_m not in (64, 128):
-        reasons.append(f"tile_m {tile.tile_m} is not 64 or 128 (dQ splits by 64-row warpgroups or by columns)")
+    if tile.dq_transposed:
+        if tile.split_head_dim or head_dim != 64 * tile.consumer_warpgroups:
+            reasons.append(f"dq_transposed gives each of {tile.consumer_warpgroups} warpgroups 64 of dQ's columns: "
+                           f"head_dim {head_dim} is not {64 * tile.consumer_warpgroups}")
+        if tile.tile_m % 16 or not 16 <= tile.tile_m <= 128:
+            reasons.append(f"dq_transposed takes tile_m a multiple of 16 up to 128 (dK's and dV's K step), not "
+                           f"{tile.tile_m}")
+    elif tile.tile_m not in (64, 128):
+        reasons.append(f"tile_m {tile.tile_m} is not 64 or 128 (dQ splits by 64-row warpgroups or by columns; "
+                       "dq_transposed takes others)")
     if tile.tile_m == 64 and head_dim // tile.consumer_warpgroups not in (64, 128):
         reasons.append(f"tile_m 64 splits dQ's {head_dim} columns into {head_dim // tile.consumer_warpgroups}, "
                        "not a 128-byte swizzle width")

@@ -383,6 +383,44 @@ def test_backward_options_compile_to_their_instructions(tmp_path, variant):
     assert bool(re.search(r"\bLDS\b", sass[first_mma.end():first_mma.end() + first_wait.start()])) == tile.stats_ahead
 
 
+# FlashAttention-3's 80-row query block at head dim 128 (dq_transposed: dQ^T = K^T dS^T), which benchmarks/sweep_bwd_sm90.py
+# --twin tile_m=80+dq_transposed times beside the table's tile: causal and not, with the other options, deterministic
+# in fp16, and the packed form (its LSE rows padded to multiples of 80). (Its WINDOW form keeps 72 bytes on the stack,
+# measured here: not one of these.)
+DQ_TRANSPOSED_TILE = bwd_variants.Sm90BwdTile(80, dq_transposed=True)
+DQ_TRANSPOSED = [Sm90BwdVariant(DQ_TRANSPOSED_TILE, 128, "bf16", False),
+                 Sm90BwdVariant(DQ_TRANSPOSED_TILE, 128, "bf16", True),
+                 Sm90BwdVariant(dataclasses.replace(DQ_TRANSPOSED_TILE, ds_key_major=True, tma_store_dkv=True), 128,
+                                "bf16", False),
+                 Sm90BwdVariant(DQ_TRANSPOSED_TILE, 128, "fp16", False, True),
+                 Sm90BwdVariant(DQ_TRANSPOSED_TILE, 128, "bf16", False, False, False, True)]
+
+
+def test_the_transposed_dq_tile_is_checked():
+    assert bwd_variants.check(DQ_TRANSPOSED_TILE, 128) == []
+    assert bwd_variants.check(dataclasses.replace(DQ_TRANSPOSED_TILE, dq_transposed=False), 128)  # 80 rows need it
+    assert bwd_variants.check(DQ_TRANSPOSED_TILE, 64)  # 64 columns of dQ per warpgroup: head dim 128 only
+    assert bwd_variants.check(dataclasses.replace(DQ_TRANSPOSED_TILE, stats_ahead=True), 128)  # (registers)
+    assert bwd_variants.check(dataclasses.replace(DQ_TRANSPOSED_TILE, tile_m=72), 128)  # (K steps of 16)
+
+
+@pytest.mark.parametrize("variant", DQ_TRANSPOSED, ids=[v.name for v in DQ_TRANSPOSED])
+def test_the_transposed_dq_backward_compiles_to_its_gemm_shapes(tmp_path, variant):
+    """S^T and dP^T 64 keys x 80 queries per warpgroup (both operands K-major); dQ^T = K^T dS^T 64 columns x 80
+    queries with K^T read transposed (and dS too, unless ds_key_major stores it keys-contiguous); dV and dK 64 keys x
+    128 columns over the 80 queries (five K steps), P^T and dS^T from registers. No spill, WGMMAs not serialized."""
+    sass = backward_sass(tmp_path, variant, 0)
+    shapes = collections.Counter(re.sub(r"R\d+", "R", m) for m in re.findall(
+        r"HGMMA\.64x\d+x16\.F32(?:\.BF16)? R\d+, (?:R\d+, )?gdesc\[UR\d+\][.\w]*", sass))
+    f32 = "F32.BF16" if variant.dtype == "bf16" else "F32"  # (fp16's inputs go unnamed)
+    dq = "gdesc[UR].tnspA" + ("" if variant.tile.ds_key_major else ".tnspB")
+    assert set(shapes) == {f"HGMMA.64x80x16.{f32} R, gdesc[UR]", f"HGMMA.64x80x16.{f32} R, {dq}",
+                           f"HGMMA.64x128x16.{f32} R, R, gdesc[UR].tnspB"}, shapes
+    blocks = shapes[f"HGMMA.64x128x16.{f32} R, R, gdesc[UR].tnspB"] // 10  # (the loop bodies: dV, dK 5 each)
+    assert blocks and shapes[f"HGMMA.64x80x16.{f32} R, gdesc[UR]"] == 16 * blocks  # S^T, dP^T: 8 K steps each
+    assert shapes[f"HGMMA.64x80x16.{f32} R, {dq}"] == 8 * blocks  # dQ^T: 8 K steps of 128 keys
+
+
 # The head-dim-256 backward (split_head_dim), both dtypes and causalities, with its deterministic form
 SPLIT_BWD = [v for v in KERNEL_BWD + DETERMINISTIC + PADDED_BWD if v.tile.split_head_dim]
 
