@@ -268,4 +268,5 @@ def test_a_batch_whose_sequences_all_have_no_keys_is_served(backend, with_sinks,
     assert attnforge.last_decision().forward.backend == backend
     assert torch.equal(out, torch.zeros_like(out))
     no_key = torch.full_like(lse, -math.inf) if sinks is None else sinks[None, :, None].expand_as(lse)
-    assert torch.equal(lse, no_key)
+    # (the sink's logit goes through log2 units in the kernel: within a few fp32 roundings)
+    assert_close("lse", lse, no_key.double(), no_key, ulps=4)
