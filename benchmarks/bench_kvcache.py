@@ -45,13 +45,13 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def paged_copy(cache: torch.Tensor, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same (B, N, H, D) cache as pages of PAGE in a shuffled pool, and the block table."""
+def paged_copy(cache: torch.Tensor, gen, page: int = PAGE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same (B, N, H, D) cache as pages of ``page`` positions in a shuffled pool, and the block table."""
     batch, n = cache.shape[:2]
-    per_seq = n // PAGE
+    per_seq = n // page
     table = torch.randperm(batch * per_seq, generator=gen).to(torch.int32).reshape(batch, per_seq).cuda()
-    pool = torch.empty((batch * per_seq, PAGE, *cache.shape[2:]), dtype=cache.dtype, device="cuda")
-    pool[table.long()] = cache.reshape(batch, per_seq, PAGE, *cache.shape[2:])
+    pool = torch.empty((batch * per_seq, page, *cache.shape[2:]), dtype=cache.dtype, device="cuda")
+    pool[table.long()] = cache.reshape(batch, per_seq, page, *cache.shape[2:])
     return pool, table
 
 
@@ -123,24 +123,32 @@ def runners(shape, gen):
 
 def check(fns, refs) -> dict:
     """Each eager output against fp32 math on the cache it reads (the bf16 one, or the fp8 one's values)."""
+    return checked_errors(fns, lambda name, got: (got.float() - refs["fp8" if "fp8" in name else "bf16"]).abs().max().item(),
+                          peer="sdpa")
+
+
+def checked_errors(fns: dict, error, peer: str) -> dict:
+    """{name: error(name, output)} of each eager runner of ``fns`` (a graph replay returns nothing: its eager twin's
+    output is checked). A runner that raises is left out (removed from ``fns``, with why); NaN or inf in an output, or
+    an attnforge runner's error above 4x the ``peer`` runner's + 2^-7, ends the run."""
     errors = {}
     for name, fn in list(fns.items()):
         if name.endswith(" graph"):
-            continue  # a replay returns nothing: its eager twin's output is checked
+            continue
         try:
             with torch.no_grad():
                 got = fn()
-        except Exception as exc:  # noqa: BLE001 - a peer that cannot run this shape is left out, with why
-            print(f"  {name}: failed ({type(exc).__name__}: {str(exc)[:160]}); left out")
+        except Exception as exc:  # noqa: BLE001 - a runner that cannot take this shape is left out, with why
+            print(f"  {name}: failed ({type(exc).__name__}: {str(exc)[:200]}); left out")
             del fns[name]
             continue
         if not torch.isfinite(got).all():
             raise SystemExit(f"{name}: NaN or inf in the output")
-        errors[name] = (got.float() - refs["fp8" if "fp8" in name else "bf16"]).abs().max().item()
-    bound = 4 * errors.get("sdpa", 0.0) + 2 ** -7
+        errors[name] = error(name, got)
+    bound = 4 * errors.get(peer, 0.0) + 2 ** -7
     for name, err in errors.items():
         if name.startswith("attnforge") and err > bound:
-            raise SystemExit(f"{name}: max error {err:.3g} against fp32 math, SDPA's bf16 error {errors['sdpa']:.3g}")
+            raise SystemExit(f"{name}: max error {err:.3g} against fp32 math ({peer}'s: {errors[peer]:.3g})")
     return errors
 
 

@@ -20,21 +20,12 @@ import statistics
 import sys
 
 import torch
+from bench_kvcache import checked_errors, paged_copy  # (this folder: the decode benchmark's helpers)
 
 # (name, batch, cached keys before the chunk, chunk (seqlen_q), heads_q, heads_kv, head_dim)
 SHAPES = [("b4-8k+2k", 4, 8192, 2048, 32, 8, 128), ("b1-30k+2k", 1, 30720, 2048, 32, 8, 128),
           ("b8-4k+1k-d64", 8, 4096, 1024, 32, 8, 64)]
 PAGES = (64, 16)
-
-
-def paged(cache: torch.Tensor, page: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (B, N, H, D) cache as pages of ``page`` positions in a shuffled pool, and the block table."""
-    batch, n = cache.shape[:2]
-    per_seq = n // page
-    table = torch.randperm(batch * per_seq, generator=gen).to(torch.int32).reshape(batch, per_seq).cuda()
-    pool = torch.empty((batch * per_seq, page, *cache.shape[2:]), dtype=cache.dtype, device="cuda")
-    pool[table.long()] = cache.reshape(batch, per_seq, page, *cache.shape[2:])
-    return pool, table
 
 
 def runners(shape, gen) -> tuple[dict, tuple]:
@@ -48,7 +39,7 @@ def runners(shape, gen) -> tuple[dict, tuple]:
     scale = d ** -0.5
     caches = {"contiguous": (k, v, None)}
     for page in PAGES:
-        k_pages, table = paged(k, page, gen)
+        k_pages, table = paged_copy(k, gen, page)
         v_pages = torch.empty_like(k_pages)
         v_pages[table.long()] = v.reshape(batch, n // page, page, hkv, d)
         caches[f"paged{page}"] = (k_pages, v_pages, table)
@@ -85,23 +76,8 @@ def check(fns: dict, inputs) -> dict:
         qb, kb, vb = (t[b].transpose(0, 1).float() for t in (q, k, v))
         kb, vb = (t.repeat_interleave(qb.shape[0] // t.shape[0], 0) for t in (kb, vb))
         refs.append(torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible, scale=scale))
-    errors = {}
-    for name, fn in list(fns.items()):
-        try:
-            with torch.no_grad():
-                got = fn()
-        except Exception as exc:  # noqa: BLE001 - a runner that cannot take this shape is left out, with why
-            print(f"  {name}: failed ({type(exc).__name__}: {str(exc)[:200]}); left out")
-            del fns[name]
-            continue
-        if not torch.isfinite(got).all():
-            raise SystemExit(f"{name}: NaN or inf in the output")
-        errors[name] = max((got[b].transpose(0, 1).float() - refs[b]).abs().max().item() for b in range(len(refs)))
-    bound = 4 * errors.get("attnforge dense", 0.0) + 2 ** -7
-    for name, err in errors.items():
-        if name.startswith("attnforge") and err > bound:
-            raise SystemExit(f"{name}: max error {err:.3g} against fp32 math (dense kernel's {errors['attnforge dense']:.3g})")
-    return errors
+    return checked_errors(fns, lambda name, got: max((got[b].transpose(0, 1).float() - refs[b]).abs().max().item()
+                                                     for b in range(len(refs))), peer="attnforge dense")
 
 
 def main() -> None:

@@ -13,15 +13,14 @@ import torch
 import attnforge
 from attnforge.api import _causal_mask
 from attnforge.backends.cute_sm90 import variants
-from attnforge.testing import assert_close, oracle, peer_error
+from attnforge.testing import assert_close
 
-from ..triton_fa2.test_kvcache_gpu import cache_pair, to_pages
+from ..triton_fa2.test_kvcache_gpu import LENGTHS, check_sequences, run_case
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                  reason="needs an sm90 GPU")]
 
-LENGTHS = [0, 1, 17, 1023, 4099]
 # (heads_q, heads_kv, seqlen_q, seqlen_new, causal, window, softcap, sinks)
 CASES = [(8, 8, 113, 113, True, (-1, -1), 0.0, False), (16, 2, 300, 0, False, (-1, -1), 0.0, False),
          (16, 4, 7, 7, True, (-1, -1), 0.0, False), (16, 2, 129, 64, True, (256, -1), 30.0, True)]
@@ -36,45 +35,17 @@ LAYOUTS = [(d, p) for d in (64, 80, 96, 128, 256) for p in
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_cute_sm90_kvcache_on_the_gpu(case, head_dim, page_size, dtype, gen, poisoned_empty):
     hq, hkv, nq, new, causal, window, cap, with_sinks = case
-    batch, capacity = len(LENGTHS), 4352  # 17 pages of 256, 68 of 64, 272 of 16
-    k_cache, v_cache = cache_pair(gen, LENGTHS, capacity, hkv, head_dim, dtype)
-    q = torch.randn(batch, nq, hq, head_dim, generator=gen).to("cuda", dtype)
-    k_new, v_new = ((torch.randn(batch, new, hkv, head_dim, generator=gen).to("cuda", dtype) for _ in range(2))
-                    if new else (None, None))
-    sinks = (torch.randn(hq, generator=gen) * 2).cuda() if with_sinks else None
-    dense_k, dense_v = k_cache.clone(), v_cache.clone()
-    for b, n in enumerate(LENGTHS):
-        if new:
-            dense_k[b, n:n + new], dense_v[b, n:n + new] = k_new[b], v_new[b]
-    kwargs = dict(cache_seqlens=torch.tensor(LENGTHS, dtype=torch.int32, device="cuda"), causal=causal,
-                  window_size=window, softcap=cap, sinks=sinks, return_lse=True, backend="cute_sm90")
-    if page_size:
-        per_seq = capacity // page_size
-        pool = batch * per_seq + 3
-        table = torch.randperm(pool, generator=gen)[:batch * per_seq].to(torch.int32).reshape(batch, per_seq).cuda()
-        k_pages, v_pages = to_pages(k_cache, table, page_size, pool), to_pages(v_cache, table, page_size, pool)
-        out, lse = attnforge.attention_with_kvcache(q, k_pages, v_pages, k_new, v_new, block_table=table, **kwargs)
-    else:
-        out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
+    out, lse, q, dense, sinks = run_case(gen, (hq, hkv), nq, new, head_dim, page_size, dtype, causal=causal,
+                                         window_size=window, softcap=cap, sinks=with_sinks, backend="cute_sm90")
     variant = attnforge.last_decision().forward.variant
     tile = variants.pick("16bit", head_dim)[0]
     assert variant.kv_cache == ("paged" if page_size else "contiguous")
     assert variant.page_rows == (math.gcd(tile.tile_n, page_size) if page_size else 0)
-    mask = _causal_mask(causal, window)
-    scale = head_dim ** -0.5
+    check_sequences(out, lse, q, dense, new, _causal_mask(causal, window), cap, sinks)
     for b, n in enumerate(LENGTHS):
-        end = n + new
-        if end == 0:  # no keys: 0, and the LSE -inf (or, with sinks, the sink's logit)
-            assert (out[b] == 0).all()
+        if n + new == 0:  # no keys: the LSE -inf (or, with sinks, the sink's logit)
             no_key = torch.full_like(lse[b], -math.inf) if sinks is None else sinks[:, None].expand_as(lse[b])
             assert_close(f"lse[{b}]", lse[b], no_key.double(), no_key, ulps=4)  # (the sink through log2 units)
-            continue
-        bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (q[b], dense_k[b, :end], dense_v[b, :end])]
-        ref, ref_lse, _ = oracle(*bhsd, mask=mask, scale=scale, softcap=cap, sinks=sinks)
-        peer, _ = peer_error(*bhsd, mask=mask, scale=scale, softcap=cap, sinks=sinks)
-        ulps = 4 * math.sqrt(max(end, head_dim))
-        assert_close(f"out[{b}]", out[b].transpose(0, 1).unsqueeze(0), ref, peer, ulps=ulps)
-        assert_close(f"lse[{b}]", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ulps)
 
 
 def test_the_self_check_passes_the_paged_kernel_on_a_nan_filled_cache():

@@ -45,23 +45,23 @@ CASES = [(32, 8, 1, 0, False, (-1, -1), 0.0, False, 0), (32, 8, 1, 1, True, (-1,
 LAYOUTS = [(d, p) for d in HEAD_DIMS for p in ((0, 16, 64, 256) if d == 128 else (0, 64))]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim,page_size", LAYOUTS, ids=lambda x: str(x))
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_kvcache_on_the_gpu(case, head_dim, page_size, dtype, gen, poisoned_empty):
-    hq, hkv, nq, new, causal, window, cap, with_sinks, splits = case
+def run_case(gen, heads, seqlen_q, new, head_dim, page_size, dtype, **kwargs):
+    """attention_with_kvcache on LENGTHS cached tokens per sequence plus ``new`` appended, in a contiguous cache or pages
+    of ``page_size`` (a shuffled pool, a random block table); ``heads`` (q's, kv's); ``kwargs`` the call's (sinks=True:
+    random sink logits). Returns (out, lse, q, the dense caches with the appends, sinks)."""
+    hq, hkv = heads
     batch, capacity = len(LENGTHS), 4352  # 17 pages of 256, 68 of 64, 272 of 16
     k_cache, v_cache = cache_pair(gen, LENGTHS, capacity, hkv, head_dim, dtype)
-    q = torch.randn(batch, nq, hq, head_dim, generator=gen).to("cuda", dtype)
+    q = torch.randn(batch, seqlen_q, hq, head_dim, generator=gen).to("cuda", dtype)
     k_new, v_new = ((torch.randn(batch, new, hkv, head_dim, generator=gen).to("cuda", dtype) for _ in range(2))
                     if new else (None, None))
-    sinks = (torch.randn(hq, generator=gen) * 2).cuda() if with_sinks else None
+    sinks = (torch.randn(hq, generator=gen) * 2).cuda() if kwargs.pop("sinks") else None
     dense_k, dense_v = k_cache.clone(), v_cache.clone()
     for b, n in enumerate(LENGTHS):
         if new:
             dense_k[b, n:n + new], dense_v[b, n:n + new] = k_new[b], v_new[b]
-    kwargs = dict(cache_seqlens=torch.tensor(LENGTHS, dtype=torch.int32, device="cuda"), causal=causal,
-                  window_size=window, softcap=cap, sinks=sinks, num_splits=splits, return_lse=True, backend="triton_fa2")
+    kwargs = dict(cache_seqlens=torch.tensor(LENGTHS, dtype=torch.int32, device="cuda"), sinks=sinks, return_lse=True,
+                  **kwargs)
     if page_size:
         per_seq = capacity // page_size
         pool = batch * per_seq + 3
@@ -70,19 +70,35 @@ def test_kvcache_on_the_gpu(case, head_dim, page_size, dtype, gen, poisoned_empt
         out, lse = attnforge.attention_with_kvcache(q, k_pages, v_pages, k_new, v_new, block_table=table, **kwargs)
     else:
         out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kwargs)
-    mask = _causal_mask(causal, window)
+    return out, lse, q, (dense_k, dense_v), sinks
+
+
+def check_sequences(out, lse, q, dense, new, mask, softcap, sinks):
+    """run_case's output and LSE against fp64 math on each sequence's keys (a sequence with none: output 0)."""
+    head_dim = q.shape[3]
     scale = head_dim ** -0.5
     for b, n in enumerate(LENGTHS):
         end = n + new
         if end == 0:
             assert (out[b] == 0).all()
             continue
-        bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (q[b], dense_k[b, :end], dense_v[b, :end])]
-        ref, ref_lse, _ = oracle(*bhsd, mask=mask, scale=scale, softcap=cap, sinks=sinks)
-        peer, _ = peer_error(*bhsd, mask=mask, scale=scale, softcap=cap, sinks=sinks)
+        bhsd = [t.transpose(0, 1).unsqueeze(0) for t in (q[b], dense[0][b, :end], dense[1][b, :end])]
+        ref, ref_lse, _ = oracle(*bhsd, mask=mask, scale=scale, softcap=softcap, sinks=sinks)
+        peer, _ = peer_error(*bhsd, mask=mask, scale=scale, softcap=softcap, sinks=sinks)
         ulps = 4 * math.sqrt(max(end, head_dim))
         assert_close(f"out[{b}]", out[b].transpose(0, 1).unsqueeze(0), ref, peer, ulps=ulps)
         assert_close(f"lse[{b}]", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ulps)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim,page_size", LAYOUTS, ids=lambda x: str(x))
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kvcache_on_the_gpu(case, head_dim, page_size, dtype, gen, poisoned_empty):
+    hq, hkv, nq, new, causal, window, cap, with_sinks, splits = case
+    out, lse, q, dense, sinks = run_case(gen, (hq, hkv), nq, new, head_dim, page_size, dtype, causal=causal,
+                                         window_size=window, softcap=cap, sinks=with_sinks, num_splits=splits,
+                                         backend="triton_fa2")
+    check_sequences(out, lse, q, dense, new, _causal_mask(causal, window), cap, sinks)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
