@@ -132,9 +132,8 @@ class Sm90BwdTile:
             half = head_dim // 2
             return (2 * 64 * half + max(2 * 64 * self.tile_m // 2, self.tile_m * half)) // 128 + REGISTER_OVERHEAD
         stats = self.tile_m // 4 if self.stats_ahead else 0  # a thread's columns' LSE (or delta)
-        if self.dq_transposed:  # S^T and dP^T (fp32), or later P^T and dS^T (16-bit) beside dQ^T's 64 x tile_m
-            busiest = max(2 * 64 * self.tile_m, 64 * self.tile_m + 64 * self.tile_m)
-            return (2 * 64 * head_dim + busiest) // 128 + stats + REGISTER_OVERHEAD
+        if self.dq_transposed:  # S^T and dP^T (fp32), or later P^T and dS^T (16-bit) beside dQ^T (fp32): as many
+            return (2 * 64 * head_dim + 2 * 64 * self.tile_m) // 128 + stats + REGISTER_OVERHEAD
         return (2 * 64 * head_dim + 2 * 64 * self.tile_m + 64 * self.tile_m // 2) // 128 + stats + REGISTER_OVERHEAD
 
     def describe(self) -> str:

@@ -342,17 +342,15 @@ def kv_cache_reasons(tile: Sm90FwdTile, kv_cache: str, rows: int, kind: str, var
     inputs, no packed batch beside it, and for "paged" a load size page_rows could give (none otherwise)."""
     if kv_cache not in KV_CACHE_CHOICES:
         return [f"kv_cache must be one of {KV_CACHE_CHOICES}, got {kv_cache!r}"]
-    if not kv_cache:
-        return [] if not rows else [f"page_rows {rows} without a paged cache"]
     reasons = []
-    if kind != "16bit":
+    if kv_cache != "paged" and rows:
+        reasons.append(f"page_rows {rows} without a paged cache")
+    if kv_cache and kind != "16bit":
         reasons.append(f"its {kind} kernel reads no KV cache (the 16-bit ones do)")
-    if varlen:
+    if kv_cache and varlen:
         reasons.append("a KV cache and a packed (varlen) batch are separate kernels")
     if kv_cache == "paged" and (rows % 8 or not 8 <= rows <= tile.tile_n or tile.tile_n % rows):
         reasons.append(f"page_rows {rows} must be a multiple of 8 that divides the tile's {tile.tile_n} keys")
-    if kv_cache == "contiguous" and rows:
-        reasons.append(f"page_rows {rows} without a paged cache")
     return reasons
 
 

@@ -24,7 +24,7 @@ def test_a_paged_call_passes_the_pages_key_counts_and_a_unit_stride_block_table(
     variant = decision.forward.variant
     assert (variant.kv_cache, variant.page_rows, variant.window, variant.softcap) == ("paged", 64, True, True)
     calls = []
-    variant.__dict__["kernel"] = lambda *args: calls.append(args)  # (the cached compiled kernel, replaced)
+    monkeypatch.setitem(variant.__dict__, "kernel", lambda *args: calls.append(args))  # (the cached kernel, replaced)
     q = torch.randn(batch, nq, hq, d, generator=gen).to(torch.bfloat16)
     pages = [torch.randn(batch * per_seq + 1, page, hkv, d, generator=gen).to(torch.bfloat16) for _ in range(2)]
     wide = torch.arange(batch * 2 * per_seq, dtype=torch.int32).view(batch, 2 * per_seq)
@@ -54,7 +54,7 @@ def test_an_unbounded_window_side_is_past_the_longest_sequence_not_the_page(monk
                        kv_cache="paged", page_size=16, backend="cute_sm90")
     variant = decision.forward.variant
     calls = []
-    variant.__dict__["kernel"] = lambda *args: calls.append(args)
+    monkeypatch.setitem(variant.__dict__, "kernel", lambda *args: calls.append(args))
     q = torch.randn(1, 5, 1, 64, generator=gen).to(torch.bfloat16)
     pages = torch.randn(256, 16, 1, 64, generator=gen).to(torch.bfloat16)
     cache = KVCache(torch.tensor([4000], dtype=torch.int32), None, torch.arange(256, dtype=torch.int32)[None], 4000)
