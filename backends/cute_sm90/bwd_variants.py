@@ -57,13 +57,20 @@ PACKED_REASON = ("its packed (varlen) backward kernel is turned off "
 # The head-dim-256 kernel (split_head_dim: SPLIT_HEAD_DIM in the template) compiles for sm_90a with its SASS checked
 # (tests/backends/cute_sm90/test_compile.py). On the H200 (2026-12-03) its GPU tests passed (tests/backends/cute_sm90/
 # test_gpu_backward.py -k 256: 38, fp16 and bf16, causal and not, odd and GQA shapes, deterministic, large scores),
-# so it is served, for dense batches without score features: its WINDOW, SOFTCAP, ALIBI and VARLEN forms have not been
-# compiled or run (SPLIT_HEAD_DIM_FEATURES_REASON). SPLIT_HEAD_DIM_SERVED = False turns it off.
+# so it is served. SPLIT_HEAD_DIM_SERVED = False turns it off.
 SPLIT_HEAD_DIM_SERVED = True
 SPLIT_HEAD_DIM_REASON = ("its head-dim-256 backward kernel is turned off "
                          "(backends/cute_sm90/bwd_variants.py, SPLIT_HEAD_DIM_SERVED)")
-SPLIT_HEAD_DIM_FEATURES_REASON = ("its head-dim-256 backward has no sliding window, softcap, ALiBi or packed (varlen) "
-                                  "form (the dense, plain one is served)")
+# Its WINDOW, SOFTCAP, ALIBI and VARLEN forms (Gemma 2 and 3 train at head dim 256 with a softcap and a sliding window)
+# are the template's feature code on the split tile's score coordinates: they compile for sm_90a without spilling and
+# with their SASS checked (tests/backends/cute_sm90/test_compile.py), and are served once their GPU tests pass
+# (test_gpu_features.py's forced backward and test_gpu_varlen.py's packed backward at d=256 and 192, which serve them
+# whatever this says; benchmarks/run_feature_backward.sh with HEAD_DIMS="256 192"). Until then those backwards run
+# on triton_fa2, and the Decision quotes SPLIT_HEAD_DIM_FEATURES_REASON.
+SPLIT_HEAD_DIM_FEATURES_SERVED = False
+SPLIT_HEAD_DIM_FEATURES_REASON = ("its head-dim-256 backward's sliding-window, softcap, ALiBi and packed (varlen) forms "
+                                  "are not served until they have run on a GPU (backends/cute_sm90/bwd_variants.py, "
+                                  "SPLIT_HEAD_DIM_FEATURES_SERVED; the dense, plain one is served)")
 # Per consumer thread beyond the accumulators and P: addresses, loop state, the LSE and delta of its columns.
 # A rough figure: ptxas decides, and the compile test fails on a spill the table does not accept.
 REGISTER_OVERHEAD = 16
@@ -234,5 +241,6 @@ def pick(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
 
 def feature_reasons(tile: Sm90BwdTile, window: bool, varlen: bool, softcap: bool, alibi: bool) -> list[str]:
     """Why ``tile`` cannot serve a backward with these features (Sm90BwdVariant's flags): empty unless it is the
-    head-dim-256 tile, which is served only in its dense, plain form."""
-    return [SPLIT_HEAD_DIM_FEATURES_REASON] if tile.split_head_dim and (window or varlen or softcap or alibi) else []
+    head-dim-256 tile while its feature forms are not served (SPLIT_HEAD_DIM_FEATURES_SERVED)."""
+    unserved = tile.split_head_dim and not SPLIT_HEAD_DIM_FEATURES_SERVED
+    return [SPLIT_HEAD_DIM_FEATURES_REASON] if unserved and (window or varlen or softcap or alibi) else []

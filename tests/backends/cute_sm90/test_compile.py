@@ -30,7 +30,8 @@ SERVED_BWD_HEAD_DIMS = [d for d in bwd_variants.HEAD_DIMS if bwd_variants.pick(d
 # with zero-filled columns (bwd_variants.kernel_head_dim), the same code with another column bound, compiled here on
 # a sample (PADDED_BWD below) rather than all 29
 KERNEL_BWD_HEAD_DIMS = [d for d in SERVED_BWD_HEAD_DIMS if bwd_variants.kernel_head_dim(d) == d]
-# the kernels whose backward also has WINDOW, SOFTCAP, ALIBI and VARLEN forms (bwd_variants.feature_reasons)
+# the one-warpgroup-per-64-keys kernels' WINDOW, SOFTCAP, ALIBI and VARLEN forms (the head-dim-256 kernel's are
+# compiled below, SPLIT_FEATURE_BWD)
 FEATURE_BWD_HEAD_DIMS = [d for d in KERNEL_BWD_HEAD_DIMS if not bwd_variants.pick(d)[0].split_head_dim]
 ALL = registered()["cute_sm90"].variants()  # every variant the planner can pick: what `attnforge build` compiles
 VARIANTS = [v for v in ALL if isinstance(v, Sm90Variant)]
@@ -425,23 +426,43 @@ def test_the_transposed_dq_backward_compiles_to_its_gemm_shapes(tmp_path, varian
 SPLIT_BWD = [v for v in KERNEL_BWD + DETERMINISTIC + PADDED_BWD if v.tile.split_head_dim]
 
 
-def test_the_head_dim_256_backward_is_served_without_feature_forms():
+FEATURE_FLAGS = ("window", "varlen", "softcap", "alibi")
+# its WINDOW, SOFTCAP, ALIBI and VARLEN forms, bf16, each alone and together, causal and not
+SPLIT_FEATURE_BWD = [Sm90BwdVariant(bwd_variants.BWD[256][0], 256, "bf16", causal, False,
+                                    **{flag: flag in kinds for flag in FEATURE_FLAGS})
+                     for kinds in (("window",), ("softcap",), ("alibi",), ("varlen",), ("window", "varlen"),
+                                   ("window", "softcap", "alibi"), FEATURE_FLAGS)
+                     for causal in (False, True)]
+# measured here (stack bytes): 8 for VARLEN alone, causal; 0 for every other form
+SPLIT_FEATURE_BWD_SPILL_BYTES = 8
+
+
+def test_the_head_dim_256_backward_serves_its_feature_forms_only_once_turned_on(monkeypatch):
     tile = bwd_variants.BWD[256][0]
     assert tile.split_head_dim and bwd_variants.SPLIT_HEAD_DIM_SERVED and 256 in SERVED_BWD_HEAD_DIMS
     assert len([v for v in SPLIT_BWD if v.head_dim == 256]) == 6  # fp16 and bf16, causal and not; bf16 deterministic
     assert bwd_variants.pick(256) == (tile, [])
-    # the feature lists below (what `build --features` adds) leave it out: its feature forms were never compiled
-    assert not any(v.head_dim == 256 for v in WINDOW_BWD + FEATURE_BWD)
     assert bwd_variants.feature_reasons(tile, window=False, varlen=False, softcap=False, alibi=False) == []
-    for flag in ("window", "varlen", "softcap", "alibi"):
-        flags = dict.fromkeys(("window", "varlen", "softcap", "alibi"), False) | {flag: True}
-        assert bwd_variants.feature_reasons(tile, **flags) == [bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON]
+    every_kind = [frozenset({kind}) for kind in FEATURE_FLAGS]
+
+    def built_feature_forms():  # what `attnforge build --features window,varlen,softcap,alibi` adds at 256
+        return [v for v in registered()["cute_sm90"].variants(dtypes=("bf16",), head_dims=(256,), features=every_kind)
+                if isinstance(v, Sm90BwdVariant) and any(getattr(v, flag) for flag in FEATURE_FLAGS)]
+
+    served = bwd_variants.SPLIT_HEAD_DIM_FEATURES_SERVED
+    for flag in FEATURE_FLAGS:
+        flags = dict.fromkeys(FEATURE_FLAGS, False) | {flag: True}
+        assert bwd_variants.feature_reasons(tile, **flags) == ([] if served else
+                                                              [bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON])
+    assert len(built_feature_forms()) == (8 if served else 0)
+    monkeypatch.setattr(bwd_variants, "SPLIT_HEAD_DIM_FEATURES_SERVED", True)
+    assert bwd_variants.feature_reasons(tile, **dict.fromkeys(FEATURE_FLAGS, True)) == []
+    assert len(built_feature_forms()) == 8  # each feature alone, causal and not
 
 
-@pytest.mark.parametrize("variant", SPLIT_BWD, ids=[v.name for v in SPLIT_BWD])
-def test_head_dim_256_backward_splits_the_head_dim_between_its_warpgroups(tmp_path, variant):
+def assert_split_gemms(sass: str, variant) -> None:
+    """The head-dim-256 kernel's five GEMMs in its SASS: the head dim split between the warpgroups."""
     tile = variant.tile
-    sass = backward_sass(tmp_path, variant, 0)
     element = r"\.BF16" if variant.dtype == "bf16" else ""
     half = bwd_variants.kernel_head_dim(variant.head_dim) // 2  # the WGMMAs' head dim, split
     # S^T = K Q^T and dP^T = V dO^T: 64 keys by half the query block per warpgroup, both operands from shared memory
@@ -452,3 +473,19 @@ def test_head_dim_256_backward_splits_the_head_dim_between_its_warpgroups(tmp_pa
     assert not re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", sass)
     # dQ = dS K: dS and K read transposed, half the head dim per warpgroup
     assert re.search(rf"HGMMA\.64x{half}x16\.F32{element} R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass)
+
+
+@pytest.mark.parametrize("variant", SPLIT_BWD, ids=[v.name for v in SPLIT_BWD])
+def test_head_dim_256_backward_splits_the_head_dim_between_its_warpgroups(tmp_path, variant):
+    assert_split_gemms(backward_sass(tmp_path, variant, 0), variant)
+
+
+@pytest.mark.parametrize("variant", SPLIT_FEATURE_BWD, ids=[v.name for v in SPLIT_FEATURE_BWD])
+def test_head_dim_256_feature_backwards_compile_split_with_one_tanh_and_log_per_score(tmp_path, variant):
+    sass = backward_sass(tmp_path, variant, SPLIT_FEATURE_BWD_SPILL_BYTES)
+    assert_split_gemms(sass, variant)
+    # per score of this warpgroup's S^T (64 keys by half the query block, over 128 threads) in each of the step's
+    # two copies (masked and not): one MUFU.EX2 for P; with SOFTCAP one MUFU.TANH and one MUFU.LG2
+    per_copy = 64 * (variant.tile.tile_m // 2) // 128
+    counts = [len(re.findall(rf"MUFU\.{op}\b", sass)) for op in ("EX2", "TANH", "LG2")]
+    assert counts == [2 * per_copy] + [2 * per_copy if variant.softcap else 0] * 2, counts

@@ -3,8 +3,9 @@ fp64 math, outputs poisoned (NaN) before the call so an element no CTA writes sh
 with and without causal, Nq != Nk both ways (rows that see no key: 0 out, LSE -inf, or with sinks LSE = the sink),
 GQA, odd lengths; the softcap alone and with a window; sinks alone and with both; ALiBi (per head and per batch and
 head) alone and with all three; automatic dispatch's training (this forward and cute_sm90's backward, from this
-forward's LSE) on one case per feature; the backward forced, with windows, softcap and ALiBi at d=64 and 128, and at
-d=80 (the 128 kernel with zero-filled columns)."""
+forward's LSE) on one case per feature; the backward forced, with windows, softcap and ALiBi at d=64, 128 and 256, and
+at d=80 and 192 (the 128 and 256 kernels with zero-filled columns); the head-dim-256 kernel's feature forms are served
+here whatever bwd_variants.SPLIT_HEAD_DIM_FEATURES_SERVED says, these tests being what its serving waits for."""
 
 import math
 
@@ -13,6 +14,8 @@ import torch
 
 import attnforge
 from attnforge.api import _causal_mask
+from attnforge.backends.cute_sm90 import bwd_variants
+from attnforge.dispatch.select import clear_caches
 from attnforge.dispatch.problem import SMALL_SOFTCAP
 from attnforge.testing import assert_close, assert_grads_close, needs_gpu, oracle, peer_error, sees
 
@@ -137,9 +140,18 @@ def test_automatic_training_runs_cute_sm90s_forward_and_backward(case, gen, pois
         assert_close("dsinks", grads[3], want, want.float(), ulps=ulps * math.sqrt(2 * nq))
 
 
-# the backward kernels' own head dims (bwd_variants.KERNEL_HEAD_DIMS: the 256 kernel has no feature forms), and 80 on
-# the 128 kernel with zero-filled columns (bwd_variants.kernel_head_dim)
-FEATURE_BACKWARD_HEAD_DIMS = [64, 128, 80]
+# the backward kernels' own head dims (bwd_variants.KERNEL_HEAD_DIMS), and 80 and 192 on the 128 and 256 kernels with
+# zero-filled columns (bwd_variants.kernel_head_dim)
+FEATURE_BACKWARD_HEAD_DIMS = [64, 128, 80, 256, 192]
+
+
+@pytest.fixture
+def split_features_served(monkeypatch):
+    """The head-dim-256 kernel's feature forms served (bwd_variants.SPLIT_HEAD_DIM_FEATURES_SERVED)."""
+    monkeypatch.setattr(bwd_variants, "SPLIT_HEAD_DIM_FEATURES_SERVED", True)
+    clear_caches()
+    yield
+    clear_caches()  # (the flag is restored after this: no Decision made with it outlives the test)
 
 # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, causal, window, with sinks): cute_sm90's WINDOW backward
 WINDOW_BACKWARD = [
@@ -152,7 +164,7 @@ WINDOW_BACKWARD = [
 
 @pytest.mark.parametrize("head_dim", FEATURE_BACKWARD_HEAD_DIMS)
 @pytest.mark.parametrize("case", WINDOW_BACKWARD, ids=str)
-def test_forced_window_backward_matches_fp64(case, head_dim, gen, poisoned_empty):
+def test_forced_window_backward_matches_fp64(case, head_dim, gen, poisoned_empty, split_features_served):
     b, hq, hkv, nq, nk, causal, window, with_sinks = case
     check_forced_backward((b, hq, hkv, nq, nk, causal, window, 0.0, with_sinks), head_dim, gen)
 
@@ -171,7 +183,7 @@ FEATURE_BACKWARD = [
 
 @pytest.mark.parametrize("head_dim", FEATURE_BACKWARD_HEAD_DIMS)
 @pytest.mark.parametrize("case", FEATURE_BACKWARD, ids=str)
-def test_forced_softcap_and_alibi_backward_matches_fp64(case, head_dim, gen, poisoned_empty):
+def test_forced_softcap_and_alibi_backward_matches_fp64(case, head_dim, gen, poisoned_empty, split_features_served):
     check_forced_backward(case, head_dim, gen)
 
 

@@ -4,7 +4,7 @@ math per sequence, outputs NaN-filled before the call (poisoned_empty) so a row 
 a warpgroup's edge (TMA stores), sequences with queries and no keys, GQA, causal, windows, softcap, sinks and ALiBi,
 every tile family of the table (d=8 with its padded head dim); the backward from this forward's output and LSE on the
 plain cases: cute_sm90's packed backward where its table serves the head dim, served here whatever
-bwd_variants.PACKED says
+bwd_variants.PACKED and SPLIT_HEAD_DIM_FEATURES_SERVED (the head-dim-256 kernel's packed form) say
 (sequences with keys and no queries included: their dK and dV are zeros it must write; sequences starting at rows
 that are not a multiple of four: the LSE's padded rows), triton_fa2's VARLEN one at the others; and cute_sm90's
 packed backward with sliding windows."""
@@ -25,9 +25,13 @@ pytestmark = [pytest.mark.gpu, needs_gpu((9, 0), "sm90")]
 
 @pytest.fixture(autouse=True)
 def packed_backward_served(monkeypatch):
-    """cute_sm90's packed backward served (bwd_variants.PACKED), these tests being what its serving waits for."""
+    """cute_sm90's packed backward served (bwd_variants.PACKED, and at head dim 256 SPLIT_HEAD_DIM_FEATURES_SERVED),
+    these tests being what its serving waits for."""
     monkeypatch.setattr(bwd_variants, "PACKED", True)
+    monkeypatch.setattr(bwd_variants, "SPLIT_HEAD_DIM_FEATURES_SERVED", True)
     clear_caches()
+    yield
+    clear_caches()  # (the flags are restored after this: no Decision made with them outlives the test)
 
 LENGTHS_Q = [17, 0, 1, 1023, 113, 4099, 128, 64]
 LENGTHS_K = [17, 9, 0, 1023, 4099, 113, 128, 200]
@@ -110,8 +114,9 @@ def test_packed_forward_matches_fp64_per_sequence(case, dtype, head_dim, gen, po
 WINDOW_CASES = [(8, 2, True, (255, -1)), (4, 4, False, (17, 100)), (4, 1, False, (300, 0))]
 
 
-@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 128)],
-                         ids=("bf16_d64", "bf16_d128", "fp16_d128"))
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 128),
+                                              (torch.bfloat16, 256)],
+                         ids=("bf16_d64", "bf16_d128", "fp16_d128", "bf16_d256"))
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=str)
 def test_packed_backward_with_a_window_matches_fp64_per_sequence(case, dtype, head_dim, gen, poisoned_empty):
     hq, hkv, causal, window = case
