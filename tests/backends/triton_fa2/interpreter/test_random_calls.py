@@ -1,8 +1,9 @@
 """Random attention() calls on triton_fa2 in Triton's interpreter, forward and backward, against fp64 math: each seed
 draws a combination the feature tests take one at a time (layout and strides of each input, GQA, odd and unequal
 lengths, causal, a window, softcap, sinks, ALiBi, the scale's sign, gradients), so that their interactions are
-checked too. fp16 (the interpreter's bf16 dot is not exact: docs/kernel-notes.md, section 6); outputs NaN-filled
-before the run (poisoned_empty). Runs with TRITON_INTERPRET=1 in its own process (test_interpreter_suite.py)."""
+checked too; likewise attention_with_kvcache and attention_varlen calls (the latter on either Triton backend). fp16
+(the interpreter's bf16 dot is not exact: docs/kernel-notes.md, section 6); outputs NaN-filled before the run
+(poisoned_empty). Runs with TRITON_INTERPRET=1 in its own process (test_interpreter_suite.py)."""
 
 import math
 import os
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 import attnforge  # noqa: E402
 from attnforge.api import _causal_mask  # noqa: E402
+from attnforge.errors import BackendUnavailableError  # noqa: E402
 from attnforge.testing import assert_close, assert_grads_close, oracle, peer_error  # noqa: E402
 
 SEEDS = range(160)  # (400 seeds passed when this was written; 160 keep the suite under a minute)
@@ -139,3 +141,79 @@ def test_a_random_kvcache_call_matches_fp64_math(seed, poisoned_empty):
     scale = c["scale"] if c["scale"] is not None else D ** -0.5
     check(out, lse, expected(q, dense_k, dense_v, pads, ends, _causal_mask(c["causal"], c["window"]), scale,
                              c["softcap"], sinks), max(ends))
+
+
+def draw_varlen(seed: int) -> dict:
+    rnd = random.Random(seed)
+    heads_kv = rnd.choice((1, 2))
+    lengths_q = [rnd.choice((0, 1, 3, 17, 70)) for _ in range(rnd.choice((1, 2, 3, 4)))]
+    lengths_k = [n if rnd.random() < 0.4 else rnd.choice((0, 1, 5, 17, 90)) for n in lengths_q]
+    return dict(heads_kv=heads_kv, heads_q=heads_kv * rnd.choice((1, 2, 3)), head_dim=rnd.choice((32, 64)),
+                lengths_q=lengths_q, lengths_k=lengths_k, sliced=[rnd.random() < 0.3 for _ in range(3)],
+                causal=rnd.random() < 0.5,
+                window=(rnd.choice((-1, 0, 3, 20)), rnd.choice((-1, 0, 5))) if rnd.random() < 0.3 else (-1, -1),
+                softcap=rnd.choice((0.0, 0.0, 5.0)), sinks=rnd.random() < 0.25, alibi=rnd.random() < 0.2,
+                scale=rnd.choice((None, None, 0.3)), grad=rnd.random() < 0.6,
+                backend=rnd.choice(("triton_fa2", "triton_fa2", "triton_rocm")))
+
+
+def packed_tensor(rows: int, heads: int, dim: int, sliced: bool, gen) -> torch.Tensor:
+    """A (rows, heads, dim) fp16 tensor: dense, or a strided slice of a larger one."""
+    if sliced:
+        return torch.randn(rows + 3, heads + 1, dim + 8, generator=gen).half()[2:2 + rows, :heads, 4:4 + dim]
+    return torch.randn(rows, heads, dim, generator=gen).half()
+
+
+@pytest.mark.parametrize("seed", range(64))  # (600 passed when this was written)
+def test_a_random_varlen_call_matches_fp64_math(seed, poisoned_empty):
+    """attention_varlen with a random draw of the same kind (test_varlen.py's per-sequence checks): sequence counts,
+    zero-length and one-token sequences, Nq != Nk per sequence, strided inputs, both Triton backends, gradients."""
+    from .test_varlen import bhsd, check_forward, sequences
+
+    c = draw_varlen(seed)
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, d = c["heads_q"], c["heads_kv"], c["head_dim"]
+    lengths_q, lengths_k = c["lengths_q"], c["lengths_k"]
+    q, k, v = (packed_tensor(sum(n), h, d, sliced, gen).requires_grad_(c["grad"])
+               for n, h, sliced in zip((lengths_q, lengths_k, lengths_k), (hq, hkv, hkv), c["sliced"]))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)
+                  for n in (lengths_q, lengths_k))
+    sinks = (torch.randn(hq, generator=gen) * 2).requires_grad_(c["grad"]) if c["sinks"] else None
+    slopes = torch.rand(len(lengths_q), hq, generator=gen) * 0.5 if c["alibi"] else None
+    features = dict(softcap=c["softcap"], sinks=sinks, alibi_slopes=slopes)
+    call = dict(causal=c["causal"], window_size=c["window"], scale=c["scale"], return_lse=True, **features)
+    backend = c["backend"]
+    if max(lengths_q) == 0 or max(lengths_k) == 0:  # an empty problem: the kernels refuse it, and say so
+        with pytest.raises(BackendUnavailableError, match="empty problem"):
+            attnforge.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), backend=backend, **call)
+        backend = None  # automatic dispatch serves it (zeros, LSE -inf or the sink's)
+    out, lse = attnforge.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), backend=backend,
+                                          **call)
+    decision = attnforge.last_decision()
+    assert backend is None or (decision.forward.backend == backend and decision.forward.variant.varlen), c
+    mask = _causal_mask(c["causal"], c["window"])
+    scale = c["scale"] if c["scale"] is not None else d ** -0.5
+    ulps = 4 * math.sqrt(max(*lengths_k, d))
+    check_forward(out.detach(), lse.detach(), q.detach(), k.detach(), v.detach(), cu_q, cu_k, mask, scale, ulps,
+                  **features)
+    if not c["grad"]:
+        return
+    dout = torch.randn(out.shape, generator=gen).half()
+    grads = torch.autograd.grad(out, (q, k, v) if sinks is None else (q, k, v, sinks), dout)
+    for name, g in zip(("dq", "dk", "dv", "dsinks"), grads):
+        assert not g.isnan().any(), f"{name} {c}"
+    for b, rows, keys in sequences(cu_q, cu_k):
+        if rows.stop == rows.start or keys.stop == keys.start:  # no queries: dK = dV = 0; no keys: dQ = 0
+            assert all((g[span] == 0).all() for g, span in zip(grads[:3], (rows, keys, keys))), (b, c)
+            continue
+        one = dict(features, alibi_slopes=None if slopes is None else slopes[b:b + 1], dout=bhsd(dout[rows]))
+        args = (bhsd(q[rows].detach()), bhsd(k[keys].detach()), bhsd(v[keys].detach()))
+        _, _, ref_grads = oracle(*args, mask=mask, scale=scale, **one)
+        _, peer_grads = peer_error(*args, mask=mask, scale=scale, **one)
+        assert_grads_close([bhsd(grads[0][rows]), bhsd(grads[1][keys]), bhsd(grads[2][keys])], ref_grads[:3],
+                           peer_grads[:3], *args, bhsd(dout[rows]), mask, scale,
+                           8 * math.sqrt(max(rows.stop - rows.start, keys.stop - keys.start, d)))
+    if sinks is not None:  # the dense call's formula on this call's own packed output and LSE, in fp64
+        share = torch.exp(sinks.detach().double()[:, None] - lse.detach().double())  # (heads, total_q)
+        want = -(share * (dout.double() * out.detach().double()).sum(-1).T).sum(1)
+        assert_close(f"dsinks {c}", grads[3], want, want.float(), ulps=ulps * math.sqrt(2 * max(sum(lengths_q), 1)))
