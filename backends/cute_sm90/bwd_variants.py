@@ -105,6 +105,9 @@ class Sm90BwdTile:
     # dQ computed transposed, dQ^T = K^T dS^T (DQ_TRANSPOSED in the template), so tile_m need not be a multiple of 64:
     # FlashAttention-3's 80-row query block at head dim 128 without a causal mask
     dq_transposed: bool = False
+    # split_head_dim only: P^T stored as soon as it is converted and dV issued before dS is computed (DV_AHEAD in the
+    # template), so dV's WGMMA runs under the dS arithmetic
+    dv_ahead: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -113,7 +116,7 @@ class Sm90BwdTile:
     def module(self, head_dim: int) -> str:
         options = "".join(suffix for on, suffix in ((self.split_head_dim, "_sd"), (self.stats_ahead, "_sa"),
                                                     (self.ds_key_major, "_dk"), (self.tma_store_dkv, "_ts"),
-                                                    (self.dq_transposed, "_dt")) if on)
+                                                    (self.dq_transposed, "_dt"), (self.dv_ahead, "_dv")) if on)
         return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{options}"
 
     def params(self, head_dim: int) -> dict:
@@ -148,7 +151,8 @@ class Sm90BwdTile:
                                                 (self.stats_ahead, ", row stats ahead"),
                                                 (self.ds_key_major, ", dS key-major"),
                                                 (self.tma_store_dkv, ", dK/dV by TMA"),
-                                                (self.dq_transposed, ", dQ transposed")) if on)
+                                                (self.dq_transposed, ", dQ transposed"),
+                                                (self.dv_ahead, ", dV ahead of dS")) if on)
         return f"{self.tile_m}x{self.tile_n} s{self.q_stages} {self.consumer_warpgroups} consumer warpgroups{options}"
 
 
@@ -177,7 +181,9 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
                            "a multiple of the 128-byte swizzle width")
         if tile.ds_key_major:
             reasons.append("split_head_dim reads dS's bytes as dS^T for dK: ds_key_major does not apply")
-    elif tile.tile_n != 128:
+    elif tile.dv_ahead:
+        reasons.append("dv_ahead issues dV from P^T in shared memory, which only split_head_dim stores there")
+    if not tile.split_head_dim and tile.tile_n != 128:
         reasons.append(f"tile_n {tile.tile_n} != 128 (two consumer warpgroups of 64 keys)")
     if tile.dq_transposed:
         if tile.split_head_dim or head_dim != 64 * tile.consumer_warpgroups:
