@@ -489,3 +489,33 @@ def test_head_dim_256_feature_backwards_compile_split_with_one_tanh_and_log_per_
     per_copy = 64 * (variant.tile.tile_m // 2) // 128
     counts = [len(re.findall(rf"MUFU\.{op}\b", sass)) for op in ("EX2", "TANH", "LG2")]
     assert counts == [2 * per_copy] + [2 * per_copy if variant.softcap else 0] * 2, counts
+
+
+# dv_ahead, the head-dim-256 kernel's option that benchmarks/sweep_bwd_sm90.py --twin dv_ahead times beside the table's
+# tile: causal and not, and with tma_store_dkv. (Measured here: 16 stack bytes, 24 causal, 8 with tma_store_dkv; two
+# named-barrier ids the dQ handoff computes per warpgroup are what ptxas keeps there.)
+DV_AHEAD_TILE = dataclasses.replace(bwd_variants.table_tile(256)[0], dv_ahead=True)
+DV_AHEAD = [Sm90BwdVariant(DV_AHEAD_TILE, 256, "bf16", False), Sm90BwdVariant(DV_AHEAD_TILE, 256, "bf16", True),
+            Sm90BwdVariant(dataclasses.replace(DV_AHEAD_TILE, tma_store_dkv=True), 256, "bf16", True)]
+
+
+def test_dv_ahead_is_for_the_split_head_dim_tile_only():
+    assert bwd_variants.check(DV_AHEAD_TILE, 256) == []
+    assert bwd_variants.check(dataclasses.replace(bwd_variants.table_tile(128)[0], dv_ahead=True), 128)
+
+
+@pytest.mark.parametrize("variant", DV_AHEAD, ids=[v.name for v in DV_AHEAD])
+def test_dv_ahead_issues_dv_between_the_p_barrier_and_the_ds_barrier(tmp_path, variant):
+    """In each copy of the step (masked and not), after S^T's wait: P^T stored, the P^T barrier (named barrier 7, both consumer
+    warpgroups: 256 threads), dV's WGMMA (P^T from shared memory), the wait for dP^T that leaves dV running, then the dS
+    barrier (1) and the dQ and dK WGMMAs; without it dV follows the dS barrier."""
+    sass = backward_sass(tmp_path, variant, 24)
+    assert_split_gemms(sass, variant)
+    dv = r"HGMMA\.64x128x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspB, R\d+, gsb0"  # dV's and dK's last K steps
+    dq = r"HGMMA\.64x128x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB, RZ"  # dQ's first
+    events = re.findall(rf"BAR\.SYNC\.DEFER_BLOCKING 0x7, 0x100|BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x100|{dv}|{dq}|"
+                        r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)
+    kinds = ["p_bar" if "0x7" in e else "ds_bar" if "0x1, 0x100" in e else "dq" if "RZ" in e else
+             "wait1" if "DEPBAR" in e else "dv_or_dk" for e in events]
+    step = ["wait1", "p_bar", "dv_or_dk", "wait1", "ds_bar", "dq", "dv_or_dk", "wait1"]  # (the first wait: S^T)
+    assert kinds == step * 2, kinds
