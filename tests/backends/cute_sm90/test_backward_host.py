@@ -94,11 +94,19 @@ def test_check_names_what_does_not_fit(tile, head_dim, reason):
     (dict(head_dim=256, window_size=(100, 0)), bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON),
     (dict(head_dim=192, alibi=True), bwd_variants.SPLIT_HEAD_DIM_FEATURES_REASON),  # 192 runs the 256 kernel
 ])
-def test_a_forced_backend_says_why_its_backward_cannot_serve(kw, reason):
-    """Forcing cute_sm90 for training where its backward does not serve: the next backward runs, and says why."""
+def test_a_forced_backend_says_why_its_backward_cannot_serve(kw, reason, monkeypatch):
+    """Forcing cute_sm90 for training where its backward does not serve (its head-dim-256 feature forms turned
+    off): the next backward runs, and says why."""
+    monkeypatch.setattr(bwd_variants, "SPLIT_HEAD_DIM_FEATURES_SERVED", False)
     d = explain(device="H100", dtype="bf16", seqlen_q=512, needs_grad=True, backend="cute_sm90", **kw)
     assert d.forward.backend == "cute_sm90" and d.backward.backend not in (None, "cute_sm90")
     assert any(reason in r for r in d.backward.reasons_of("cute_sm90")), d.backward.reasons_of("cute_sm90")
+
+
+@pytest.mark.parametrize("kw", [dict(head_dim=256, softcap=30.0), dict(head_dim=192, window_size=(100, 0))])
+def test_the_head_dim_256_backward_serves_its_feature_forms(kw):
+    d = explain(device="H100", dtype="bf16", seqlen_q=512, needs_grad=True, backend="cute_sm90", **kw)
+    assert d.backward.backend == "cute_sm90" and "splitting the head dim" in str(d), str(d)
 
 
 def test_a_forced_training_call_shows_its_backward_in_the_decision():
