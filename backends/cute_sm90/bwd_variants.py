@@ -182,10 +182,10 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
                            "a multiple of the 128-byte swizzle width")
         if tile.ds_key_major:
             reasons.append("split_head_dim reads dS's bytes as dS^T for dK: ds_key_major does not apply")
-    elif tile.dv_ahead:
-        reasons.append("dv_ahead issues dV from P^T in shared memory, which only split_head_dim stores there")
-    if not tile.split_head_dim and tile.tile_n != 128:
+    elif tile.tile_n != 128:
         reasons.append(f"tile_n {tile.tile_n} != 128 (two consumer warpgroups of 64 keys)")
+    if tile.dv_ahead and not tile.split_head_dim:
+        reasons.append("dv_ahead issues dV from P^T in shared memory, which only split_head_dim stores there")
     if tile.dq_transposed:
         if tile.split_head_dim or head_dim != 64 * tile.consumer_warpgroups:
             reasons.append(f"dq_transposed gives each of {tile.consumer_warpgroups} warpgroups 64 of dQ's columns: "

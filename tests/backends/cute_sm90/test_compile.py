@@ -506,9 +506,9 @@ def test_dv_ahead_is_for_the_split_head_dim_tile_only():
 
 @pytest.mark.parametrize("variant", DV_AHEAD, ids=[v.name for v in DV_AHEAD])
 def test_dv_ahead_issues_dv_between_the_p_barrier_and_the_ds_barrier(tmp_path, variant):
-    """In each copy of the step (masked and not), after S^T's wait: P^T stored, the P^T barrier (named barrier 7, both consumer
-    warpgroups: 256 threads), dV's WGMMA (P^T from shared memory), the wait for dP^T that leaves dV running, then the dS
-    barrier (1) and the dQ and dK WGMMAs; without it dV follows the dS barrier."""
+    """In each copy of the step (masked and not), after S^T's wait: P^T stored, the P^T barrier (named barrier 7,
+    both consumer warpgroups: 256 threads), dV's WGMMA (P^T from shared memory), the wait for dP^T that leaves dV
+    running, then the dS barrier (1) and the dQ and dK WGMMAs."""
     sass = backward_sass(tmp_path, variant, 24)
     assert_split_gemms(sass, variant)
     dv = r"HGMMA\.64x128x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspB, R\d+, gsb0"  # dV's and dK's last K steps
