@@ -214,6 +214,9 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # d=128 554/542, d=64 487/467, against FlashAttention-4's 614/576 and 523/516 and cuDNN's 536/527 and 446/430 in
 # the same run (benchmarks/results/2026-12-01-h200-cute_sm90-bwd-order/). A 64-row query block at d=64 would free
 # registers, but then dQ's 32 columns per warpgroup are below a 128-byte swizzle (check()).
+# d=128 stores dK and dV by TMA (tma_store_dkv): beside the same tile without it, 7 of 8 (N, mask) rows faster,
+# +1.6% on average (-2.6% to +4.5%), in two sweeps on an H100 (2026-12-05, 3 and 5 rounds); 0.93-0.97x FA4 and
+# 1.03-1.08x cuDNN there (benchmarks/results/2026-12-05-h100-kvcache-twins/). At d=64 +0.5% on average: not taken.
 # Head dim 256 (FlashAttention-3's tiles there: 64 query rows, 80 keys, the head dim split between two warpgroups):
 # 64 x 64 with one stage of Q and dO, to fit 227 KB of shared memory. H200, bf16, forward+backward at 16k tokens
 # (benchmarks/results/2026-12-03-h200-bwd256/sweep.json), TFLOP/s full/causal: N=16k 351/372, N=4k 342/329, N=1k
@@ -221,7 +224,7 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # rounds (triton_fa2's backward, the one served before: 106/110).
 BWD: dict[int, list[Sm90BwdTile]] = {
     64: [Sm90BwdTile(128, accepted_spill_bytes=8)],
-    128: [Sm90BwdTile(64)],
+    128: [Sm90BwdTile(64, tma_store_dkv=True)],
     256: [Sm90BwdTile(64, tile_n=64, q_stages=1, split_head_dim=True)],
 }
 

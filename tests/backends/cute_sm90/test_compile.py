@@ -352,10 +352,12 @@ def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_p
 # The backward tiles' template options (bwd_variants.Sm90BwdTile: stats_ahead, ds_key_major, tma_store_dkv), which
 # benchmarks/sweep_bwd_sm90.py --twin times beside the table's tiles: each alone and all together where the table's
 # check accepts them, on the kernel head dims 64 and 128, causal bf16 (stats_ahead needs tile_m / 4 registers more:
-# refused at d=64's 128 rows)
+# refused at d=64's 128 rows); each on the table's tile with every option off first (d=128's has tma_store_dkv)
 OPTIONS = ("stats_ahead", "ds_key_major", "tma_store_dkv", "stats_ahead+ds_key_major+tma_store_dkv")
+NO_OPTIONS = dict.fromkeys(("stats_ahead", "ds_key_major", "tma_store_dkv"), False)
 OPTION_TWINS = [Sm90BwdVariant(twin, d, "bf16", True) for d in (64, 128) for fields in OPTIONS
-                for twin in [dataclasses.replace(bwd_variants.table_tile(d)[0], **dict.fromkeys(fields.split("+"), True))]
+                for twin in [dataclasses.replace(bwd_variants.table_tile(d)[0],
+                                                 **{**NO_OPTIONS, **dict.fromkeys(fields.split("+"), True)})]
                 if not bwd_variants.check(twin, d)]
 
 
