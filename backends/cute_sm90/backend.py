@@ -139,8 +139,8 @@ class CuteSm90Backend(Backend):
         sinks=True,  # SINKS forward kernels (16-bit); the backward needs nothing (P from the LSE, which counts it)
         alibi=True,  # ALIBI forward and backward kernels (16-bit)
         varlen=True,  # VARLEN forward kernels (16-bit); the backward's: bwd_variants.PACKED (_plan_backward)
-        # KV_CACHE forward kernels (16-bit; paged: page sizes variants.page_rows takes), passed over by automatic
-        # dispatch until variants.KV_CACHE_AUTO (passed_over)
+        # KV_CACHE forward kernels (16-bit; paged: page sizes variants.page_rows takes); automatic dispatch passes
+        # decode-shaped calls over (passed_over), and every call while variants.KV_CACHE_AUTO is off
         kv_cache=frozenset({"contiguous", "paged"}),
         nondeterministic_backward="dQ is summed by TMA reduce-add in the order the CTAs reach it",
         deterministic_backward="dQ summed in key-block order",

@@ -1,6 +1,7 @@
 """What cute_sm90 says about attention_with_kvcache calls on Hopper: the KV_CACHE kernel it would run (contiguous, or
 paged with the load size variants.page_rows gives), the calls it refuses and why, and that automatic dispatch passes
-it over (variants.KV_CACHE_AUTO; decode-shaped calls in any case) for triton_fa2's split-KV kernel."""
+it over for triton_fa2's split-KV kernel for decode-shaped calls (and for every call with variants.KV_CACHE_AUTO
+off)."""
 
 import math
 
@@ -28,14 +29,21 @@ def test_forced_it_runs_its_kv_cache_kernel_loading_pages_in_pieces(head_dim, pa
     assert d.forward.variant.module.endswith(f"_paged{rows}" if page_size else "_kvcache")
 
 
-def test_automatic_dispatch_passes_it_over_for_triton_fa2_and_says_why():
+def test_automatic_dispatch_takes_it_for_chunked_prefill():
+    for page_size in (0, 16, 64):
+        d = explain(head_dim=128, kv_cache="paged" if page_size else "contiguous", page_size=page_size, **PREFILL)
+        assert d.forward.backend == "cute_sm90"
+        assert d.forward.variant.module.endswith(f"_paged{page_size}" if page_size else "_kvcache")
+
+
+def test_turned_off_automatic_dispatch_passes_it_over_for_triton_fa2_and_says_why(monkeypatch):
+    monkeypatch.setattr(variants, "KV_CACHE_AUTO", False)
     d = explain(head_dim=128, kv_cache="paged", page_size=64, **PREFILL)
     assert d.forward.backend == "triton_fa2"
     assert d.forward.reasons_of("cute_sm90") == (variants.KV_CACHE_NOT_AUTO,)
 
 
-def test_a_decode_shaped_call_is_passed_over_with_its_own_reason(monkeypatch):
-    monkeypatch.setattr(variants, "KV_CACHE_AUTO", True)
+def test_a_decode_shaped_call_is_passed_over_with_its_own_reason():
     prefill = explain(head_dim=128, kv_cache="paged", page_size=64, **PREFILL)
     assert prefill.forward.backend == "cute_sm90"
     decode = explain(head_dim=128, kv_cache="paged", page_size=64, **{**PREFILL, "seqlen_q": 1})
