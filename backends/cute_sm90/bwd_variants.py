@@ -129,9 +129,10 @@ class Sm90BwdTile:
         q_do = 2 * self.q_stages * self.tile_m * head_dim * 2  # Q and dO stages
         ds = 2 * self.tile_m * self.tile_n * 2 * (2 if self.split_head_dim else 1)  # two dS (and P^T) stages
         dq = self.tile_m * head_dim * 4  # the fp32 dQ staging buffers of both warpgroups
-        # the template's Storage: the mbarriers, then the LSE and delta rows (128-byte aligned), then the buffers,
-        # each 1024-byte aligned and a multiple of 1024 bytes
-        head = 8 * (2 + 4 * self.q_stages) + 2 * -(-self.q_stages * self.tile_m * 4 // 128) * 128
+        # the template's Storage: the mbarriers, then the LSE and delta rows (each stage's on 128 bytes), then the
+        # buffers, each 1024-byte aligned and a multiple of 1024 bytes
+        stats = ((self.q_stages - 1) * -(-self.tile_m // 32) * 32 + self.tile_m) * 4
+        head = 8 * (2 + 4 * self.q_stages) + 2 * -(-stats // 128) * 128
         return -(-head // 1024) * 1024 + kv + q_do + ds + dq
 
     def registers_needed(self, head_dim: int) -> int:
