@@ -31,7 +31,7 @@ import torch
 
 import attnforge
 from attnforge.backends.cute_sm90 import backward
-from attnforge.backends.cute_sm90.bwd_variants import BWD, check, kernel_head_dim
+from attnforge.backends.cute_sm90.bwd_variants import BWD, check, kernel_head_dim, mask_reasons
 from attnforge.bench import impls, measure
 from attnforge.dispatch import costs
 from attnforge.runtime import cute
@@ -118,7 +118,7 @@ def main() -> None:
     forms = (False,) if args.no_deterministic else (False, True)
     tiles = {d: [*tiles, *twins(tiles, args.twin, d)] for d, tiles in CANDIDATES.items()}
     variants = {(d, causal): [backward.Sm90BwdVariant(t, d, "bf16", causal, det)
-                              for t in tiles[kernel_head_dim(d)]
+                              for t in tiles[kernel_head_dim(d)] if not mask_reasons(t, causal)
                               for det in forms]
                 for d in dims for causal in (False, True)}
     for (d, _), vs in variants.items():

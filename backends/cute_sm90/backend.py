@@ -188,7 +188,7 @@ class CuteSm90Backend(Backend):
             reasons.append(bwd_variants.PACKED_REASON)
         elif problem.varlen and problem.deterministic:
             reasons.append("its deterministic backward takes no packed (varlen) batch (the default one does)")
-        tile, why = bwd_variants.pick(problem.head_dim)
+        tile, why = bwd_variants.pick(problem.head_dim, masked=problem.mask.by_rule)
         reasons += why
         if tile is not None:
             reasons += bwd_variants.feature_reasons(tile, problem.mask.windowed, problem.varlen, bool(problem.softcap),
@@ -264,19 +264,30 @@ class CuteSm90Backend(Backend):
                             for fixed in (False, True)
                             if not fixed or variants.fixed_max_kernel(dtype, "softcap" in kinds, "alibi" in kinds)
                             for flag in causal]
-                back, _ = bwd_variants.pick(head_dim) if cc.KIND[dtype] == "16bit" else (None, ())
+                if cc.KIND[dtype] == "16bit":
+                    out += self._backward_variants(head_dim, dtype, causal, deterministic, features)
+        return out
+
+    @staticmethod
+    def _backward_variants(head_dim: int, dtype: str, causal, deterministic: bool, features) -> list:
+        """The backward kernels the planner can pick for a 16-bit ``head_dim``: each mask's table tile (a causal
+        mask or a window may take another tile than none), plain and, with ``deterministic``, reproducible; and
+        for build --features window / softcap / varlen / window+varlen...: the backwards of those feature sets too
+        (sinks need no backward kernel of their own)."""
+        out = []
+        for det in ((False, True) if deterministic else (False,)):
+            for flag in causal:
+                back, _ = bwd_variants.pick(head_dim, masked=flag)
                 if back is not None:
-                    modes = (False, True) if deterministic else (False,)
-                    out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, det) for det in modes for flag in causal]
-                    # build --features window / softcap / varlen / window+varlen...: the backwards of those
-                    # feature sets too (sinks need no backward kernel of their own)
-                    kernel_kinds = {"window", "softcap", "alibi", "varlen"}
-                    for kinds in sorted({frozenset(kinds & kernel_kinds) for kinds in features
-                                         if kinds & kernel_kinds and ("varlen" not in kinds or bwd_variants.PACKED)},
-                                        key=sorted):
-                        flags = {kind: kind in kinds for kind in ("window", "varlen", "softcap", "alibi")}
-                        if not bwd_variants.feature_reasons(back, **flags):
-                            out += [bwd.Sm90BwdVariant(back, head_dim, dtype, flag, False, **flags) for flag in causal]
+                    out.append(bwd.Sm90BwdVariant(back, head_dim, dtype, flag, det))
+        kernel_kinds = {"window", "softcap", "alibi", "varlen"}
+        for kinds in sorted({frozenset(kinds & kernel_kinds) for kinds in features
+                             if kinds & kernel_kinds and ("varlen" not in kinds or bwd_variants.PACKED)}, key=sorted):
+            flags = {kind: kind in kinds for kind in ("window", "varlen", "softcap", "alibi")}
+            for flag in causal:
+                back, _ = bwd_variants.pick(head_dim, masked=flag or flags["window"])
+                if back is not None and not bwd_variants.feature_reasons(back, **flags):
+                    out.append(bwd.Sm90BwdVariant(back, head_dim, dtype, flag, False, **flags))
         return out
 
     def builds(self, variant: Sm90Variant | bwd.Sm90BwdVariant) -> list:

@@ -109,6 +109,10 @@ class Sm90BwdTile:
     # split_head_dim only: P^T stored as soon as it is converted and dV issued before dS is computed (DV_AHEAD in the
     # template), so dV's WGMMA runs under the dS arithmetic
     dv_ahead: bool = False
+    # the table serves this tile only to calls without a causal mask or window (masked calls take the next entry):
+    # FlashAttention-3 and -4 run head dim 128 on 80-row query blocks without a mask and 64-row ones with it
+    # (FlashAttention-4's flash_attn/cute/interface.py, _tile_size_bwd_sm90). Not part of the kernel.
+    unmasked_only: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -230,19 +234,28 @@ BWD: dict[int, list[Sm90BwdTile]] = {
 }
 
 
-def table_tile(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
-    """The table's tile for a 16-bit ``head_dim``, served or not: the first that passes check(), or the reasons
-    (the GPU tests and benchmarks/sweep_bwd_sm90.py run a kernel before it is served)."""
+def mask_reasons(tile: Sm90BwdTile, masked: bool) -> list[str]:
+    """Why the table does not serve ``tile`` to a call with a causal mask or window (``masked``): empty unless the
+    tile is unmasked_only."""
+    return [f"the {tile.describe()} tile serves calls without a causal mask or window only"] if (
+        masked and tile.unmasked_only) else []
+
+
+def table_tile(head_dim: int, *, masked: bool) -> tuple[Sm90BwdTile | None, list[str]]:
+    """The table's tile for a 16-bit ``head_dim`` and a call with (``masked``) or without a causal mask or window,
+    served or not: the first that passes check() and mask_reasons(), or the reasons (the GPU tests and
+    benchmarks/sweep_bwd_sm90.py run a kernel before it is served)."""
     candidates = BWD.get(kernel_head_dim(head_dim)) if head_dim in HEAD_DIMS else None
     if not candidates:
         return None, [_no_backward(head_dim)]
-    return first_that_fits(candidates, lambda tile: check(tile, head_dim))
+    return first_that_fits(candidates, lambda tile: check(tile, head_dim) + mask_reasons(tile, masked))
 
 
-def pick(head_dim: int) -> tuple[Sm90BwdTile | None, list[str]]:
-    """The backward tile the planner serves for a 16-bit ``head_dim``: table_tile's, unless that tile or padding is
-    turned off (SPLIT_HEAD_DIM_SERVED, PADDED_SERVED), or the reasons."""
-    tile, reasons = table_tile(head_dim)
+def pick(head_dim: int, *, masked: bool) -> tuple[Sm90BwdTile | None, list[str]]:
+    """The backward tile the planner serves for a 16-bit ``head_dim`` and a call with (``masked``) or without a
+    causal mask or window: table_tile's, unless that tile or padding is turned off (SPLIT_HEAD_DIM_SERVED,
+    PADDED_SERVED), or the reasons."""
+    tile, reasons = table_tile(head_dim, masked=masked)
     if tile is not None and tile.split_head_dim and not SPLIT_HEAD_DIM_SERVED:
         return None, [SPLIT_HEAD_DIM_REASON]
     if tile is not None and head_dim != kernel_head_dim(head_dim) and not PADDED_SERVED:

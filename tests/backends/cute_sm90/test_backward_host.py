@@ -37,32 +37,63 @@ def test_row_statistics_keep_nan():
 def test_the_table_passes_its_own_check():
     for head_dim, tiles in bwd_variants.BWD.items():
         assert bwd_variants.check(tiles[0], head_dim) == []
-        assert bwd_variants.table_tile(head_dim) == (tiles[0], [])
-        assert bwd_variants.pick(head_dim) == (tiles[0], [])
+        masked = [tile for tile in tiles if not tile.unmasked_only][0]  # every head dim has one for masks
+        assert bwd_variants.table_tile(head_dim, masked=False) == (tiles[0], [])
+        assert bwd_variants.pick(head_dim, masked=False) == (tiles[0], [])
+        assert bwd_variants.pick(head_dim, masked=True) == (masked, [])
 
 
 def test_head_dims_run_the_next_kernel_up():
     assert [bwd_variants.kernel_head_dim(d) for d in (8, 64, 72, 128, 136, 256)] == [64, 64, 128, 128, 256, 256]
     for head_dim in bwd_variants.HEAD_DIMS:
-        tile, why = bwd_variants.table_tile(head_dim)
+        tile, why = bwd_variants.table_tile(head_dim, masked=False)
         assert (tile, why) == (bwd_variants.BWD[bwd_variants.kernel_head_dim(head_dim)][0], [])
         assert tile.params(head_dim)["head_dim_padded"] == bwd_variants.kernel_head_dim(head_dim) >= head_dim
     for head_dim in (4, 100, 264):
-        assert bwd_variants.pick(head_dim) == (None, [f"head_dim {head_dim} has no cute_sm90 backward (has every "
-                                                      "multiple of 8 up to 256)"])
+        assert bwd_variants.pick(head_dim, masked=True) == (None, [f"head_dim {head_dim} has no cute_sm90 backward "
+                                                                   "(has every multiple of 8 up to 256)"])
 
 
 def test_padding_serves_every_head_dim_and_turned_off_says_so(monkeypatch):
-    assert all(bwd_variants.pick(d) == bwd_variants.table_tile(d) for d in bwd_variants.HEAD_DIMS)
+    assert all(bwd_variants.pick(d, masked=m) == bwd_variants.table_tile(d, masked=m)
+               for d in bwd_variants.HEAD_DIMS for m in (False, True))
     monkeypatch.setattr(bwd_variants, "PADDED_SERVED", False)
-    assert bwd_variants.pick(80) == (None, [bwd_variants.PADDED_REASON])
-    assert bwd_variants.pick(128) == bwd_variants.table_tile(128)
+    assert bwd_variants.pick(80, masked=True) == (None, [bwd_variants.PADDED_REASON])
+    assert bwd_variants.pick(128, masked=True) == bwd_variants.table_tile(128, masked=True)
+
+
+def test_an_unmasked_only_tile_serves_calls_without_a_mask_or_window_only(monkeypatch):
+    """FlashAttention-3's choice at d=128 (80-row query blocks without a mask, 64 with one) as the table would hold
+    it: the planner and the build take the 80-row tile for unmasked calls, the next entry for causal or windowed
+    ones, and say why."""
+    from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
+    from attnforge.dispatch.registry import get
+
+    rows80 = bwd_variants.Sm90BwdTile(80, dq_transposed=True, unmasked_only=True)
+    masked_tile = bwd_variants.BWD[128][0]
+    monkeypatch.setitem(bwd_variants.BWD, 128, [rows80, masked_tile])
+    assert bwd_variants.pick(128, masked=False) == (rows80, [])
+    assert bwd_variants.pick(96, masked=False) == (rows80, [])  # (the padded head dims on the 128 kernel too)
+    assert bwd_variants.pick(128, masked=True) == (masked_tile, [])
+    assert bwd_variants.mask_reasons(rows80, True) == [
+        "the 80x128 s2 2 consumer warpgroups, dQ transposed tile serves calls without a causal mask or window only"]
+    assert rows80.module(128) == dataclasses.replace(rows80, unmasked_only=False).module(128)  # the same kernel
+    shape = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=1000, heads=8, needs_grad=True,
+                 backend="cute_sm90")
+    assert explain(causal=False, **shape).backward.variant.tile == rows80
+    assert explain(causal=True, **shape).backward.variant.tile == masked_tile
+    assert explain(causal=False, window_size=(256, 0), **shape).backward.variant.tile == masked_tile
+    built = {(v.causal, v.window, v.tile) for v in get("cute_sm90").variants(dtypes=("bf16",), head_dims=(128,),
+                                                                               features=(frozenset({"window"}),))
+             if isinstance(v, Sm90BwdVariant)}
+    assert built == {(False, False, rows80), (True, False, masked_tile), (False, True, masked_tile),
+                     (True, True, masked_tile)}
 
 
 def test_a_tile_turned_off_says_so(monkeypatch):
     monkeypatch.setattr(bwd_variants, "SPLIT_HEAD_DIM_SERVED", False)
-    assert bwd_variants.table_tile(256) == (bwd_variants.BWD[256][0], [])
-    assert bwd_variants.pick(256) == (None, [bwd_variants.SPLIT_HEAD_DIM_REASON])
+    assert bwd_variants.table_tile(256, masked=True) == (bwd_variants.BWD[256][0], [])
+    assert bwd_variants.pick(256, masked=True) == (None, [bwd_variants.SPLIT_HEAD_DIM_REASON])
 
 
 def test_the_head_dim_256_tile_fits_and_splits_the_head_dim():

@@ -12,7 +12,7 @@ from attnforge.backends.cute_sm90 import bwd_variants, variants
 from attnforge.testing import needs_gpu
 
 D64_BF16 = variants.pick("16bit", 64)[0].module(64, "16bit")  # the table's pick, as the build names it
-BWD_D64 = bwd_variants.pick(64)[0].module(64)  # and its backward
+BWD_D64 = bwd_variants.pick(64, masked=False)[0].module(64)  # and its backward (no mask)
 
 # find_spec, not importorskip: importing cutlass here would fix its target arch for the whole session
 needs_cute = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
@@ -73,7 +73,7 @@ def test_build_deterministic_adds_the_reproducible_backward_kernels(capsys):
     both = capsys.readouterr().out
     from attnforge.backends.cute_sm90 import bwd_variants
 
-    module = bwd_variants.table_tile(128)[0].module(128)  # bwd_16bit_d128_m64_n128_s2_ts
+    module = bwd_variants.table_tile(128, masked=True)[0].module(128)  # bwd_16bit_d128_m64_n128_s2_ts
     assert "_det." not in default and both.count(f"{module}_det.bf16.") == 2  # full and causal
     assert set(default.splitlines()[:-1]) < set(both.splitlines()[:-1])
 

@@ -25,14 +25,14 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
 
 
 # the backward's head dims the planner serves (bwd_variants.pick: every multiple of 8 up to 256)
-SERVED_BWD_HEAD_DIMS = [d for d in bwd_variants.HEAD_DIMS if bwd_variants.pick(d)[0] is not None]
+SERVED_BWD_HEAD_DIMS = [d for d in bwd_variants.HEAD_DIMS if bwd_variants.pick(d, masked=True)[0] is not None]
 # the backward kernels' own head dims, compiled here in every form; a head dim between them runs the next kernel up
 # with zero-filled columns (bwd_variants.kernel_head_dim), the same code with another column bound, compiled here on
 # a sample (PADDED_BWD below) rather than all 29
 KERNEL_BWD_HEAD_DIMS = [d for d in SERVED_BWD_HEAD_DIMS if bwd_variants.kernel_head_dim(d) == d]
 # the one-warpgroup-per-64-keys kernels' WINDOW, SOFTCAP, ALIBI and VARLEN forms (the head-dim-256 kernel's are
 # compiled below, SPLIT_FEATURE_BWD)
-FEATURE_BWD_HEAD_DIMS = [d for d in KERNEL_BWD_HEAD_DIMS if not bwd_variants.pick(d)[0].split_head_dim]
+FEATURE_BWD_HEAD_DIMS = [d for d in KERNEL_BWD_HEAD_DIMS if not bwd_variants.pick(d, masked=True)[0].split_head_dim]
 ALL = registered()["cute_sm90"].variants()  # every variant the planner can pick: what `attnforge build` compiles
 VARIANTS = [v for v in ALL if isinstance(v, Sm90Variant)]
 BWD_VARIANTS = [v for v in ALL if isinstance(v, Sm90BwdVariant)]
@@ -49,7 +49,7 @@ def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
         for dtype in cc.DTYPES if cc.KIND[dtype] == kind for causal in (False, True))
     assert all(v.build.arch == cc.ARCH == "sm_90a" and v.build.module == v.module for v in VARIANTS)
     assert sorted(v.name for v in BWD_VARIANTS) == sorted(
-        Sm90BwdVariant(bwd_variants.pick(d)[0], d, dtype, causal).name for d in SERVED_BWD_HEAD_DIMS
+        Sm90BwdVariant(bwd_variants.pick(d, masked=causal)[0], d, dtype, causal).name for d in SERVED_BWD_HEAD_DIMS
         for dtype in ("fp16", "bf16") for causal in (False, True))
     assert len(ALL) == len(VARIANTS) + len(BWD_VARIANTS)
 
@@ -298,7 +298,7 @@ def test_softcap_and_alibi_backward_compile_with_one_tanh_and_log_per_score(tmp_
 
 # The backward's packed (VARLEN) kernels, bf16, with and without the window: what `attnforge build --features
 # varlen,varlen+window` builds (bwd_variants.PACKED)
-VARLEN_BWD = [Sm90BwdVariant(bwd_variants.pick(d)[0], d, "bf16", causal, False, window, True)
+VARLEN_BWD = [Sm90BwdVariant(bwd_variants.pick(d, masked=causal or window)[0], d, "bf16", causal, False, window, True)
               for d in FEATURE_BWD_HEAD_DIMS for window in (False, True) for causal in (False, True)]
 # measured here (stack bytes): d=64 causal 40 (8 dense; 24 with the window), d=128 causal 8 (0 dense)
 VARLEN_BWD_SPILL_BYTES = {64: 40, 128: 8}
@@ -311,7 +311,7 @@ def test_varlen_backward_compiles_with_tma_loads_reduce_add_and_its_gemms_unseri
 
 # Backwards of head dims below their kernel's (bwd_variants.kernel_head_dim: the smallest there is, 8, and model head
 # dims 80 and 192 on the 64, 128 and 256 kernels), served where bwd_variants.PADDED_SERVED
-PADDED_BWD = [Sm90BwdVariant(bwd_variants.table_tile(d)[0], d, dtype, causal) for d in (8, 80, 192)
+PADDED_BWD = [Sm90BwdVariant(bwd_variants.table_tile(d, masked=causal)[0], d, dtype, causal) for d in (8, 80, 192)
               for dtype, causal in (("bf16", True), ("fp16", False))]
 # measured here (stack bytes, by kernel head dim): on the 64 kernel, d=8 and d=40 keep 8-16 (8 at d=64: the column
 # predicate of dK's and dV's stores adds a little); 80 and 96 on the 128 kernel and 192 on the 256 kernel none
@@ -326,7 +326,7 @@ def test_padded_backwards_run_the_next_kernel_and_are_served():
     for v in PADDED_BWD:
         params = v.tile.params(v.head_dim)
         assert (params["head_dim"], params["head_dim_padded"]) == (v.head_dim, bwd_variants.kernel_head_dim(v.head_dim))
-        assert bwd_variants.pick(v.head_dim) == bwd_variants.table_tile(v.head_dim)
+        assert bwd_variants.pick(v.head_dim, masked=v.causal) == bwd_variants.table_tile(v.head_dim, masked=v.causal)
     assert all(bwd_variants.kernel_head_dim(d) == d for d in bwd_variants.KERNEL_HEAD_DIMS)
     assert not any(d % 8 for d in SERVED_BWD_HEAD_DIMS)
 
@@ -356,7 +356,7 @@ def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_p
 OPTIONS = ("stats_ahead", "ds_key_major", "tma_store_dkv", "stats_ahead+ds_key_major+tma_store_dkv")
 NO_OPTIONS = dict.fromkeys(("stats_ahead", "ds_key_major", "tma_store_dkv"), False)
 OPTION_TWINS = [Sm90BwdVariant(twin, d, "bf16", True) for d in (64, 128) for fields in OPTIONS
-                for twin in [dataclasses.replace(bwd_variants.table_tile(d)[0],
+                for twin in [dataclasses.replace(bwd_variants.table_tile(d, masked=True)[0],
                                                  **{**NO_OPTIONS, **dict.fromkeys(fields.split("+"), True)})]
                 if not bwd_variants.check(twin, d)]
 
@@ -443,7 +443,7 @@ def test_the_head_dim_256_backward_serves_its_feature_forms_only_once_turned_on(
     tile = bwd_variants.BWD[256][0]
     assert tile.split_head_dim and bwd_variants.SPLIT_HEAD_DIM_SERVED and 256 in SERVED_BWD_HEAD_DIMS
     assert len([v for v in SPLIT_BWD if v.head_dim == 256]) == 6  # fp16 and bf16, causal and not; bf16 deterministic
-    assert bwd_variants.pick(256) == (tile, [])
+    assert bwd_variants.pick(256, masked=True) == (tile, [])
     assert bwd_variants.feature_reasons(tile, window=False, varlen=False, softcap=False, alibi=False) == []
     every_kind = [frozenset({kind}) for kind in FEATURE_FLAGS]
 
@@ -496,14 +496,14 @@ def test_head_dim_256_feature_backwards_compile_split_with_one_tanh_and_log_per_
 # dv_ahead, the head-dim-256 kernel's option that benchmarks/sweep_bwd_sm90.py --twin dv_ahead times beside the table's
 # tile: causal and not, and with tma_store_dkv. (Measured here: 16 stack bytes, 24 causal, 8 with tma_store_dkv; two
 # named-barrier ids the dQ handoff computes per warpgroup are what ptxas keeps there.)
-DV_AHEAD_TILE = dataclasses.replace(bwd_variants.table_tile(256)[0], dv_ahead=True)
+DV_AHEAD_TILE = dataclasses.replace(bwd_variants.table_tile(256, masked=True)[0], dv_ahead=True)
 DV_AHEAD = [Sm90BwdVariant(DV_AHEAD_TILE, 256, "bf16", False), Sm90BwdVariant(DV_AHEAD_TILE, 256, "bf16", True),
             Sm90BwdVariant(dataclasses.replace(DV_AHEAD_TILE, tma_store_dkv=True), 256, "bf16", True)]
 
 
 def test_dv_ahead_is_for_the_split_head_dim_tile_only():
     assert bwd_variants.check(DV_AHEAD_TILE, 256) == []
-    assert bwd_variants.check(dataclasses.replace(bwd_variants.table_tile(128)[0], dv_ahead=True), 128)
+    assert bwd_variants.check(dataclasses.replace(bwd_variants.table_tile(128, masked=True)[0], dv_ahead=True), 128)
 
 
 @pytest.mark.parametrize("variant", DV_AHEAD, ids=[v.name for v in DV_AHEAD])

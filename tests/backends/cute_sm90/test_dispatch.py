@@ -21,7 +21,7 @@ def test_hopper_chooses_cute_sm90_and_says_which_backward_follows(device, dtype,
     tile = variants.pick("16bit", head_dim)[0]  # the table's pick, compiled for this dtype and causality
     assert d.forward.variant == Sm90Variant(tile, "16bit", head_dim, dtype, True)
     assert d.forward.describe() == f"fwd {tile.describe()}"
-    tile, why = bwd_variants.pick(head_dim)
+    tile, why = bwd_variants.pick(head_dim, masked=True)
     if tile is not None:  # its own backward follows (no table here: the preference order)
         assert d.backward.backend == "cute_sm90" and d.backward.variant == Sm90BwdVariant(tile, head_dim, dtype, True)
     else:  # head dims whose backward is turned off (bwd_variants.PADDED_SERVED, SPLIT_HEAD_DIM_SERVED)
@@ -30,7 +30,7 @@ def test_hopper_chooses_cute_sm90_and_says_which_backward_follows(device, dtype,
 
 
 # every head dim the backward serves in 16 bits; FP8's at the head dims its forward serves
-FORCED_BACKWARD_CASES = [(dtype, d) for d in bwd_variants.HEAD_DIMS if bwd_variants.pick(d)[0] is not None
+FORCED_BACKWARD_CASES = [(dtype, d) for d in bwd_variants.HEAD_DIMS if bwd_variants.pick(d, masked=True)[0] is not None
                          for dtype in ("fp16", "bf16", "fp8") if d in variants.HEAD_DIMS_OF[cc.KIND[dtype]]]
 
 
@@ -41,9 +41,9 @@ def test_forced_cute_sm90_runs_its_own_backward(dtype, head_dim, causal):
     d = explain(device="H100", dtype=dtype, head_dim=head_dim, seqlen_q=1000, heads=8, kv_heads=2, causal=causal,
                 needs_grad=True, backend="cute_sm90")
     assert d.backward.backend == "cute_sm90"
-    assert d.backward.variant == Sm90BwdVariant(bwd_variants.pick(head_dim)[0], head_dim,
-                                                "bf16" if dtype == "fp8" else dtype, causal)
-    assert d.backward.describe().startswith(f"bwd {bwd_variants.pick(head_dim)[0].describe()}")
+    tile = bwd_variants.pick(head_dim, masked=causal)[0]
+    assert d.backward.variant == Sm90BwdVariant(tile, head_dim, "bf16" if dtype == "fp8" else dtype, causal)
+    assert d.backward.describe().startswith(f"bwd {tile.describe()}")
     assert ("dequantised" in d.backward.note) == (dtype == "fp8")
 
 

@@ -25,7 +25,7 @@ def planned(dtype: str, head_dim: int, causal: bool, deterministic: bool = False
     (bwd_variants.table_tile)."""
     from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
 
-    tile, why = bwd_variants.table_tile(head_dim)
+    tile, why = bwd_variants.table_tile(head_dim, masked=causal)
     assert tile is not None, why
     return Sm90BwdVariant(tile, head_dim, dtype, causal, deterministic)
 

@@ -52,10 +52,10 @@ def packed(gen, heads, heads_kv, d, dtype):
     return q, k, v, cu_q, cu_k
 
 
-def _packed_backward_backend(head_dim: int) -> str:
+def _packed_backward_backend(head_dim: int, masked: bool) -> str:
     """cute_sm90 where its table serves a packed backward at ``head_dim`` (the padded kernels included, where
     bwd_variants.PADDED_SERVED), else triton_fa2."""
-    tile, _ = bwd_variants.pick(head_dim)
+    tile, _ = bwd_variants.pick(head_dim, masked=masked)
     served = tile is not None and not bwd_variants.feature_reasons(tile, False, True, False, False)
     return "cute_sm90" if served else "triton_fa2"
 
@@ -77,7 +77,8 @@ def test_packed_forward_matches_fp64_per_sequence(case, dtype, head_dim, gen, po
     assert decision.forward.backend == "cute_sm90" and decision.forward.variant.varlen
     if grad:
         assert decision.backward.variant.varlen
-        assert decision.backward.backend == _packed_backward_backend(head_dim), decision
+        masked = causal or window != (-1, -1)
+        assert decision.backward.backend == _packed_backward_backend(head_dim, masked), decision
     dout = torch.randn(out.shape, generator=gen).to("cuda", dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout) if grad else None
     for name, t in (("out", out), ("lse", lse), *(zip(("dq", "dk", "dv"), grads) if grad else ())):
