@@ -15,6 +15,7 @@
 #   STEPS="twin profile" TWIN="stats_ahead ds_key_major tma_store_dkv stats_ahead+ds_key_major+tma_store_dkv \
 #   tile_m=80+dq_transposed tile_m=80+dq_transposed+ds_key_major+tma_store_dkv" \
 #     bash benchmarks/run_backward.sh OUTDIR
+#   (a twin with unmasked_only, e.g. tile_m=80+dq_transposed+tma_store_dkv+unmasked_only, is timed without a mask only)
 set -uo pipefail
 out=${1:?usage: bash benchmarks/run_backward.sh OUTDIR}; mkdir -p "$out"
 source benchmarks/gpu_env.sh "$out"

@@ -4,9 +4,9 @@ own training step (autograd; the table's tile), cuDNN's SDPA and FlashAttention-
 (bf16, (batch, seqlen, heads, head_dim) memory order), timed in interleaved rounds (bench.measure.interleaved_ms:
 triton.testing.do_bench medians, CUDA events, order rotated each round). Kernel speed, not model speed. FLOPs: 3.5x
 the forward's 4 * batch * heads * N^2 * d, halved causal (dispatch.costs.flop_count). Every candidate's gradients
-are first checked against fp64 math (testing.assert_close, the GPU tests' bound) on a small odd GQA shape; a
-candidate that fails is reported and not timed. Each tile is timed as it is and in its deterministic=True form
-(dQ added in key-block order): the cost of reproducibility. The winners go into bwd_variants.py by hand, with this run's JSON
+are first checked against fp64 math (testing.assert_close, the GPU tests' bound) on a small odd GQA shape, each in a
+process of its own; a candidate that fails (or faults) is reported and not timed. Each tile is timed as it is and
+in its deterministic=True form (dQ added in key-block order): the cost of reproducibility. The winners go into bwd_variants.py by hand, with this run's JSON
 committed beside them.
 
     python benchmarks/sweep_bwd_sm90.py [--head-dim 64,128] [--seqlen 16384] [--tokens 16384] [--rounds 3]
@@ -73,6 +73,31 @@ def prebuild(variants, jobs: int) -> None:
             print("built", path, flush=True)
 
 
+def _checked(job) -> str | None:
+    variant, seed = job
+    try:
+        return correct(variant, torch.Generator().manual_seed(seed))
+    except Exception as e:  # noqa: BLE001  (a kernel fault: this candidate's result, not the sweep's end)
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def check_all(variants, jobs: int) -> dict[str, str | None]:
+    """Each candidate's gradient check (correct) in a process of its own, ``jobs`` at once: a kernel that faults
+    breaks its process's CUDA context, not the sweep's, and is reported as failed."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(variants)), mp_context=context,
+                                                max_tasks_per_child=1) as pool:
+        futures = [pool.submit(_checked, (v, seed)) for seed, v in enumerate(variants)]
+        out = {}
+        for v, future in zip(variants, futures):
+            try:
+                out[v.name] = future.result()
+            except concurrent.futures.process.BrokenProcessPool as e:  # a process that died outright
+                out[v.name] = f"its check's process died ({e})"
+            print(v.name, "gradients:", out[v.name] or "ok", flush=True)
+    return out
+
+
 def correct(variant, gen) -> str | None:
     """None when ``variant``'s gradients match fp64 math on a (1, 4, 2, 333, 555) GQA shape, else the error."""
     b, hq, hkv, nq, nk, d = 1, 4, 2, 333, 555, variant.head_dim
@@ -125,12 +150,7 @@ def main() -> None:
         for v in vs:
             assert not check(v.tile, d), (v.tile, check(v.tile, d))
     prebuild([v for vs in variants.values() for v in vs], args.jobs)
-    gen = torch.Generator().manual_seed(0)
-    failed = {}
-    for vs in variants.values():
-        for v in vs:
-            failed[v.name] = correct(v, gen)
-            print(v.name, "gradients:", failed[v.name] or "ok", flush=True)
+    failed = check_all([v for vs in variants.values() for v in vs], args.jobs)
     cuda_gen = torch.Generator(device="cuda").manual_seed(0)
     table, results = impls.implementations(), []
     peers = []  # the peers that can run here; the others are left out with why
