@@ -2,7 +2,7 @@
 output (rounded to the dtype) and LSE, with dK and dV poisoned (NaN) before the call so any element the kernel
 fails to write shows. Odd lengths, GQA/MQA, seqlen_q != seqlen_k both ways with bottom-right causal (rows that
 see no key: dQ 0), large-magnitude scores, the LSE's own gradient, every head dim of the backward table; the
-deterministic kernel twice, bit for bit; the Triton kernels before and after it."""
+deterministic kernel twice, bit for bit; the 80-row transposed-dQ twin; the Triton kernels before and after it."""
 
 import math
 
@@ -30,7 +30,8 @@ def planned(dtype: str, head_dim: int, causal: bool, deterministic: bool = False
     return Sm90BwdVariant(tile, head_dim, dtype, causal, deterministic)
 
 
-def check_gradients(shape, dtype, head_dim, causal, gen, *, magnitude=1.0, with_dlse=False, deterministic=False):
+def check_gradients(shape, dtype, head_dim, causal, gen, *, magnitude=1.0, with_dlse=False, deterministic=False,
+                    tile=None):
     from attnforge.backends.cute_sm90.backward import run
 
     b, hq, hkv, nq, nk = shape
@@ -43,7 +44,12 @@ def check_gradients(shape, dtype, head_dim, causal, gen, *, magnitude=1.0, with_
     ref_out, ref_lse, ref_grads = oracle(q, k, v, causal=causal, dout=dout, dlse=dlse)
     _, peer_grads = peer_error(q, k, v, causal=causal, dout=dout, dlse=dlse)
     dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-    variant = planned(dtype, head_dim, causal, deterministic)
+    if tile is None:
+        variant = planned(dtype, head_dim, causal, deterministic)
+    else:  # a tile the table does not hold (yet)
+        from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
+
+        variant = Sm90BwdVariant(tile, head_dim, dtype, causal, deterministic)
     dq, dk, dv = run(variant, q, k, v, ref_out.to(torch_dtype), ref_lse.float(), dout, scale, dlse=dlse, dk=dk, dv=dv)
     ulps = 8 * math.sqrt(max(nq, nk, head_dim))
     for name, x, ref, peer in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, peer_grads):
@@ -79,6 +85,19 @@ def test_deterministic_gradients_match_fp64_and_repeat_bit_for_bit(shape, head_d
     per query block (1023 keys: 8), GQA, both seqlen orders with bottom-right causal, and more key blocks per head
     (17500 keys: 137) than the H100/H200 has SMs, so that CTAs wait on CTAs not yet resident."""
     check_gradients(shape, "bf16", head_dim, causal, gen, deterministic=True)
+
+
+# FlashAttention-3's 80-row query block at d=128 (dq_transposed: dQ^T = K^T dS^T), with d=128's dK/dV TMA stores: a
+# sweep twin (benchmarks/sweep_bwd_sm90.py) that the table would serve to unmasked calls (unmasked_only) once it wins
+ROWS80 = bwd_variants.Sm90BwdTile(80, dq_transposed=True, tma_store_dkv=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_80_row_transposed_dq_tile_matches_fp64(shape, dtype, causal, gen):
+    assert bwd_variants.check(ROWS80, 128) == []
+    check_gradients(shape, dtype, 128, causal, gen, tile=ROWS80)
 
 
 @pytest.mark.parametrize("head_dim", TESTED_HEAD_DIMS)
