@@ -6,8 +6,8 @@ triton.testing.do_bench medians, CUDA events, order rotated each round). Kernel 
 the forward's 4 * batch * heads * N^2 * d, halved causal (dispatch.costs.flop_count). Every candidate's gradients
 are first checked against fp64 math (testing.assert_close, the GPU tests' bound) on a small odd GQA shape, each in a
 process of its own; a candidate that fails (or faults) is reported and not timed. Each tile is timed as it is and
-in its deterministic=True form (dQ added in key-block order): the cost of reproducibility. The winners go into bwd_variants.py by hand, with this run's JSON
-committed beside them.
+in its deterministic=True form (dQ added in key-block order): the cost of reproducibility. The winners go into
+bwd_variants.py by hand, with this run's JSON committed beside them.
 
     python benchmarks/sweep_bwd_sm90.py [--head-dim 64,128] [--seqlen 16384] [--tokens 16384] [--rounds 3]
         [--jobs 8] [--twin stats_ahead] [--no-deterministic] [--json out.json]
@@ -78,7 +78,7 @@ def _checked(job) -> str | None:
     try:
         return correct(variant, torch.Generator().manual_seed(seed))
     except Exception as e:  # noqa: BLE001  (a kernel fault: this candidate's result, not the sweep's end)
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
 
 def check_all(variants, jobs: int) -> dict[str, str | None]:

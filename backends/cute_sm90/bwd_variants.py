@@ -125,7 +125,9 @@ class Sm90BwdTile:
         return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{options}"
 
     def params(self, head_dim: int) -> dict:
-        return {**dataclasses.asdict(self), "head_dim": head_dim, "head_dim_padded": kernel_head_dim(head_dim)}
+        # unmasked_only is the table's, not the kernel's: one kernel, one generated module
+        kernel = {k: v for k, v in dataclasses.asdict(self).items() if k != "unmasked_only"}
+        return {**kernel, "head_dim": head_dim, "head_dim_padded": kernel_head_dim(head_dim)}
 
     def smem_bytes(self, head_dim: int) -> int:
         """Shared memory of the kernel for the (kernel) ``head_dim``."""

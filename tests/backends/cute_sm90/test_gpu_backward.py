@@ -20,13 +20,14 @@ SHAPES = [(1, 2, 2, 1, 1), (2, 3, 3, 17, 17), (1, 4, 2, 113, 1023), (1, 4, 1, 10
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def planned(dtype: str, head_dim: int, causal: bool, deterministic: bool = False):
+def planned(dtype: str, head_dim: int, causal: bool, deterministic: bool = False, tile=None):
     """The backward Variant of the table's tile for (dtype, head_dim, causal, deterministic), served or turned off
-    (bwd_variants.table_tile)."""
+    (bwd_variants.table_tile), or of ``tile``, one the table does not hold (yet)."""
     from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
 
-    tile, why = bwd_variants.table_tile(head_dim, masked=causal)
-    assert tile is not None, why
+    if tile is None:
+        tile, why = bwd_variants.table_tile(head_dim, masked=causal)
+        assert tile is not None, why
     return Sm90BwdVariant(tile, head_dim, dtype, causal, deterministic)
 
 
@@ -44,12 +45,7 @@ def check_gradients(shape, dtype, head_dim, causal, gen, *, magnitude=1.0, with_
     ref_out, ref_lse, ref_grads = oracle(q, k, v, causal=causal, dout=dout, dlse=dlse)
     _, peer_grads = peer_error(q, k, v, causal=causal, dout=dout, dlse=dlse)
     dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-    if tile is None:
-        variant = planned(dtype, head_dim, causal, deterministic)
-    else:  # a tile the table does not hold (yet)
-        from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
-
-        variant = Sm90BwdVariant(tile, head_dim, dtype, causal, deterministic)
+    variant = planned(dtype, head_dim, causal, deterministic, tile)
     dq, dk, dv = run(variant, q, k, v, ref_out.to(torch_dtype), ref_lse.float(), dout, scale, dlse=dlse, dk=dk, dv=dv)
     ulps = 8 * math.sqrt(max(nq, nk, head_dim))
     for name, x, ref, peer in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, peer_grads):
