@@ -72,6 +72,13 @@ SPLIT_HEAD_DIM_FEATURES_SERVED = True
 SPLIT_HEAD_DIM_FEATURES_REASON = ("its head-dim-256 backward's sliding-window, softcap, ALiBi and packed (varlen) forms "
                                   "are turned off (backends/cute_sm90/bwd_variants.py, SPLIT_HEAD_DIM_FEATURES_SERVED; "
                                   "the dense, plain one is served)")
+# Tiles the table holds for calls without a causal mask or window (unmasked_only: d=128's 80-row tile). Its plain
+# kernel passed its GPU test against fp64 math on an H100 (2026-12-05: test_gpu_backward.py -k 80_row, 28 cases) and
+# ran 0.9-3.4% faster than the 64-row tile (benchmarks/results/2026-12-05-h100-bwd80/). Its other forms
+# (deterministic, padded head dims, softcap, ALiBi, packed) compile with their SASS checked (test_compile.py) and
+# have not run on a GPU; test_gpu_backward.py, test_gpu_features.py and test_gpu_varlen.py run them whatever this
+# says. Until they pass, pick() passes over such tiles to the masked calls' tile; True serves them.
+UNMASKED_ONLY_SERVED = False
 # Per consumer thread beyond the accumulators and P: addresses, loop state, the LSE and delta of its columns.
 # A rough figure: ptxas decides, and the compile test fails on a spill the table does not accept.
 REGISTER_OVERHEAD = 16
@@ -224,6 +231,12 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # d=128 stores dK and dV by TMA (tma_store_dkv): beside the same tile without it, 7 of 8 (N, mask) rows faster,
 # +1.6% on average (-2.6% to +4.5%), in two sweeps on an H100 (2026-12-05, 3 and 5 rounds); 0.93-0.97x FA4 and
 # 1.03-1.08x cuDNN there (benchmarks/results/2026-12-05-h100-kvcache-twins/). At d=64 +0.5% on average: not taken.
+# Calls without a causal mask or window take 80-row query blocks at d=128 (FlashAttention-3/4's sm90 choice; FA4
+# interface.py _tile_size_bwd_sm90), dQ transposed so its columns split by warpgroup: beside the 64-row tile, 5
+# interleaved rounds on an H100, 16k tokens, full: N=16k 590.5 vs 580.9, 4k 541.0 vs 536.0, 1k 449.4 vs 434.6 (FA4
+# 612.9/566.3/456.5, cuDNN 545.5/518.7/415.3; benchmarks/results/2026-12-05-h100-bwd80/). Masked calls keep 64
+# rows, as FlashAttention-3/4 do; the 80-row tile has not been timed with a mask. (Served once all its forms pass
+# their GPU tests: UNMASKED_ONLY_SERVED.)
 # Head dim 256 (FlashAttention-3's tiles there: 64 query rows, 80 keys, the head dim split between two warpgroups):
 # 64 x 64 with one stage of Q and dO, to fit 227 KB of shared memory. H200, bf16, forward+backward at 16k tokens
 # (benchmarks/results/2026-12-03-h200-bwd256/sweep.json), TFLOP/s full/causal: N=16k 351/372, N=4k 342/329, N=1k
@@ -231,7 +244,8 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # rounds (triton_fa2's backward, the one served before: 106/110).
 BWD: dict[int, list[Sm90BwdTile]] = {
     64: [Sm90BwdTile(128, accepted_spill_bytes=8)],
-    128: [Sm90BwdTile(64, tma_store_dkv=True)],
+    128: [Sm90BwdTile(80, dq_transposed=True, tma_store_dkv=True, unmasked_only=True),
+          Sm90BwdTile(64, tma_store_dkv=True)],
     256: [Sm90BwdTile(64, tile_n=64, q_stages=1, split_head_dim=True)],
 }
 
@@ -255,9 +269,12 @@ def table_tile(head_dim: int, *, masked: bool) -> tuple[Sm90BwdTile | None, list
 
 def pick(head_dim: int, *, masked: bool) -> tuple[Sm90BwdTile | None, list[str]]:
     """The backward tile the planner serves for a 16-bit ``head_dim`` and a call with (``masked``) or without a
-    causal mask or window: table_tile's, unless that tile or padding is turned off (SPLIT_HEAD_DIM_SERVED,
-    PADDED_SERVED), or the reasons."""
+    causal mask or window: table_tile's (the masked calls' one where an unmasked_only tile is not served:
+    UNMASKED_ONLY_SERVED), unless that tile or padding is turned off (SPLIT_HEAD_DIM_SERVED, PADDED_SERVED), or the
+    reasons."""
     tile, reasons = table_tile(head_dim, masked=masked)
+    if tile is not None and tile.unmasked_only and not UNMASKED_ONLY_SERVED:
+        tile, reasons = table_tile(head_dim, masked=True)
     if tile is not None and tile.split_head_dim and not SPLIT_HEAD_DIM_SERVED:
         return None, [SPLIT_HEAD_DIM_REASON]
     if tile is not None and head_dim != kernel_head_dim(head_dim) and not PADDED_SERVED:

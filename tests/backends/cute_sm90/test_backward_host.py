@@ -34,12 +34,15 @@ def test_row_statistics_keep_nan():
     assert delta[..., :3].isnan().all() and lse2.shape == (1, 1, 128)
 
 
-def test_the_table_passes_its_own_check():
+@pytest.mark.parametrize("unmasked_only_served", (False, True))
+def test_the_table_passes_its_own_check(monkeypatch, unmasked_only_served):
+    monkeypatch.setattr(bwd_variants, "UNMASKED_ONLY_SERVED", unmasked_only_served)
     for head_dim, tiles in bwd_variants.BWD.items():
-        assert bwd_variants.check(tiles[0], head_dim) == []
+        assert all(bwd_variants.check(tile, head_dim) == [] for tile in tiles)
         masked = [tile for tile in tiles if not tile.unmasked_only][0]  # every head dim has one for masks
+        unmasked = tiles[0] if unmasked_only_served or not tiles[0].unmasked_only else masked
         assert bwd_variants.table_tile(head_dim, masked=False) == (tiles[0], [])
-        assert bwd_variants.pick(head_dim, masked=False) == (tiles[0], [])
+        assert bwd_variants.pick(head_dim, masked=False) == (unmasked, [])
         assert bwd_variants.pick(head_dim, masked=True) == (masked, [])
 
 
@@ -55,6 +58,7 @@ def test_head_dims_run_the_next_kernel_up():
 
 
 def test_padding_serves_every_head_dim_and_turned_off_says_so(monkeypatch):
+    monkeypatch.setattr(bwd_variants, "UNMASKED_ONLY_SERVED", True)
     assert all(bwd_variants.pick(d, masked=m) == bwd_variants.table_tile(d, masked=m)
                for d in bwd_variants.HEAD_DIMS for m in (False, True))
     monkeypatch.setattr(bwd_variants, "PADDED_SERVED", False)
@@ -62,21 +66,26 @@ def test_padding_serves_every_head_dim_and_turned_off_says_so(monkeypatch):
     assert bwd_variants.pick(128, masked=True) == bwd_variants.table_tile(128, masked=True)
 
 
-def test_an_unmasked_only_tile_serves_calls_without_a_mask_or_window_only(monkeypatch):
-    """FlashAttention-3's choice at d=128 (80-row query blocks without a mask, 64 with one) as the table would hold
-    it: the planner and the build take the 80-row tile for unmasked calls, the next entry for causal or windowed
-    ones, and say why."""
+def test_d128_takes_80_rows_without_a_mask_and_64_with_one(monkeypatch):
+    """FlashAttention-3/4's choice at d=128, which the table holds: served (UNMASKED_ONLY_SERVED), the planner and
+    the build take the 80-row tile (unmasked_only) for unmasked calls, the next entry for causal or windowed ones,
+    and say why; not served, the 64-row tile for all."""
     from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
     from attnforge.dispatch.registry import get
 
-    rows80 = bwd_variants.Sm90BwdTile(80, dq_transposed=True, unmasked_only=True)
-    masked_tile = bwd_variants.BWD[128][0]
-    monkeypatch.setitem(bwd_variants.BWD, 128, [rows80, masked_tile])
+    rows80, masked_tile = bwd_variants.BWD[128]
+    monkeypatch.setattr(bwd_variants, "UNMASKED_ONLY_SERVED", False)
+    assert bwd_variants.pick(128, masked=False) == bwd_variants.pick(96, masked=False) == (masked_tile, [])
+    assert bwd_variants.table_tile(128, masked=False) == (rows80, [])  # (what the GPU tests run)
+    monkeypatch.setattr(bwd_variants, "UNMASKED_ONLY_SERVED", True)
+    assert (rows80.tile_m, rows80.dq_transposed, rows80.unmasked_only) == (80, True, True)
+    assert (masked_tile.tile_m, masked_tile.unmasked_only) == (64, False)
     assert bwd_variants.pick(128, masked=False) == (rows80, [])
     assert bwd_variants.pick(96, masked=False) == (rows80, [])  # (the padded head dims on the 128 kernel too)
     assert bwd_variants.pick(128, masked=True) == (masked_tile, [])
     assert bwd_variants.mask_reasons(rows80, True) == [
-        "the 80x128 s2 2 consumer warpgroups, dQ transposed tile serves calls without a causal mask or window only"]
+        "the 80x128 s2 2 consumer warpgroups, dK/dV by TMA, dQ transposed tile serves calls without a causal mask or "
+        "window only"]
     assert rows80.module(128) == dataclasses.replace(rows80, unmasked_only=False).module(128)  # the same kernel
     shape = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=1000, heads=8, needs_grad=True,
                  backend="cute_sm90")
@@ -144,7 +153,7 @@ def test_a_forced_training_call_shows_its_backward_in_the_decision():
     d = explain(device="H200", dtype="bf16", head_dim=128, seqlen_q=2048, heads=8, needs_grad=True,
                 backend="cute_sm90")
     assert d.backward.backend == "cute_sm90" and not d.fallback
-    assert "bwd 64x128" in str(d)
+    assert f"bwd {bwd_variants.pick(128, masked=False)[0].describe()}" in str(d)
 
 
 def test_row_and_dq_kernels_in_the_interpreter():

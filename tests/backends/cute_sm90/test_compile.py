@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import importlib.util
 import re
+from unittest import mock
 
 import pytest
 
@@ -24,6 +25,18 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
 
 
+
+
+def either_way(make) -> list:
+    """make()'s variants with the table's tiles for unmasked calls served and not (bwd_variants.UNMASKED_ONLY_SERVED:
+    d=128's 80-row tile): what `attnforge build` compiles now, and once they are served, each once."""
+    out = {}
+    for served in (False, True):
+        with mock.patch.object(bwd_variants, "UNMASKED_ONLY_SERVED", served):
+            out.update((v.name, v) for v in make())
+    return list(out.values())
+
+
 # the backward's head dims the planner serves (bwd_variants.pick: every multiple of 8 up to 256)
 SERVED_BWD_HEAD_DIMS = [d for d in bwd_variants.HEAD_DIMS if bwd_variants.pick(d, masked=True)[0] is not None]
 # the backward kernels' own head dims, compiled here in every form; a head dim between them runs the next kernel up
@@ -33,14 +46,13 @@ KERNEL_BWD_HEAD_DIMS = [d for d in SERVED_BWD_HEAD_DIMS if bwd_variants.kernel_h
 # the one-warpgroup-per-64-keys kernels' WINDOW, SOFTCAP, ALIBI and VARLEN forms (the head-dim-256 kernel's are
 # compiled below, SPLIT_FEATURE_BWD)
 FEATURE_BWD_HEAD_DIMS = [d for d in KERNEL_BWD_HEAD_DIMS if not bwd_variants.pick(d, masked=True)[0].split_head_dim]
-ALL = registered()["cute_sm90"].variants()  # every variant the planner can pick: what `attnforge build` compiles
+ALL = either_way(registered()["cute_sm90"].variants)  # every variant the planner can pick: what `attnforge build` compiles
 VARIANTS = [v for v in ALL if isinstance(v, Sm90Variant)]
 BWD_VARIANTS = [v for v in ALL if isinstance(v, Sm90BwdVariant)]
 KERNEL_BWD = [v for v in BWD_VARIANTS if v.head_dim in KERNEL_BWD_HEAD_DIMS]
 # deterministic=True's kernels (`attnforge build --deterministic`), in one dtype
-DETERMINISTIC = [v for v in registered()["cute_sm90"].variants(dtypes=("bf16",), head_dims=KERNEL_BWD_HEAD_DIMS,
-                                                                deterministic=True)
-                 if isinstance(v, Sm90BwdVariant) and v.deterministic]
+DETERMINISTIC = [v for v in either_way(lambda: registered()["cute_sm90"].variants(
+    dtypes=("bf16",), head_dims=KERNEL_BWD_HEAD_DIMS, deterministic=True)) if isinstance(v, Sm90BwdVariant) and v.deterministic]
 
 
 def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
@@ -48,9 +60,10 @@ def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
         Sm90Variant(tile, kind, head_dim, dtype, causal).name for kind, head_dim, tile in variants.picks()
         for dtype in cc.DTYPES if cc.KIND[dtype] == kind for causal in (False, True))
     assert all(v.build.arch == cc.ARCH == "sm_90a" and v.build.module == v.module for v in VARIANTS)
-    assert sorted(v.name for v in BWD_VARIANTS) == sorted(
-        Sm90BwdVariant(bwd_variants.pick(d, masked=causal)[0], d, dtype, causal).name for d in SERVED_BWD_HEAD_DIMS
-        for dtype in ("fp16", "bf16") for causal in (False, True))
+    assert sorted(v.name for v in BWD_VARIANTS) == sorted({
+        Sm90BwdVariant(tile, d, dtype, causal).name for d in SERVED_BWD_HEAD_DIMS for dtype in ("fp16", "bf16")
+        for causal in (False, True) for tile in {bwd_variants.pick(d, masked=causal)[0],  # served now, and then
+                                                 bwd_variants.table_tile(d, masked=causal)[0]}})
     assert len(ALL) == len(VARIANTS) + len(BWD_VARIANTS)
 
 
@@ -275,9 +288,9 @@ def test_window_backward_compiles_with_its_gemms_unserialized(tmp_path, variant)
 
 
 # `attnforge build --features softcap,alibi,window+softcap+alibi`: the backward's SOFTCAP and ALIBI kernels, bf16
-FEATURE_BWD = [v for v in registered()["cute_sm90"].variants(
+FEATURE_BWD = [v for v in either_way(lambda: registered()["cute_sm90"].variants(
     dtypes=("bf16",), head_dims=FEATURE_BWD_HEAD_DIMS,
-    features=(frozenset({"softcap"}), frozenset({"alibi"}), frozenset({"window", "softcap", "alibi"})))
+    features=(frozenset({"softcap"}), frozenset({"alibi"}), frozenset({"window", "softcap", "alibi"}))))
     if isinstance(v, Sm90BwdVariant) and (v.softcap or v.alibi)]
 # measured here (stack bytes, causal/full): d=128 softcap 0/8, alibi 0/16, all three 128 (with VARLEN); d=64
 # softcap 72/80, alibi 40, window+softcap+alibi 344 (the 128-row query block leaves no registers for the tanh
@@ -287,7 +300,10 @@ FEATURE_BWD_SPILL_BYTES = {64: 344, 128: 128}
 
 @pytest.mark.parametrize("variant", FEATURE_BWD, ids=[v.name for v in FEATURE_BWD])
 def test_softcap_and_alibi_backward_compile_with_one_tanh_and_log_per_score(tmp_path, variant):
-    assert len(FEATURE_BWD) == 3 * 2 * len(FEATURE_BWD_HEAD_DIMS)
+    # three feature sets, causal and not; the softcap and ALiBi sets without a mask on each tile the table holds
+    unmasked_tiles = sum(bwd_variants.table_tile(d, masked=False)[0] != bwd_variants.table_tile(d, masked=True)[0]
+                         for d in FEATURE_BWD_HEAD_DIMS)
+    assert len(FEATURE_BWD) == 3 * 2 * len(FEATURE_BWD_HEAD_DIMS) + 2 * unmasked_tiles
     sass = backward_sass(tmp_path, variant, FEATURE_BWD_SPILL_BYTES[variant.head_dim])
     # per score of S^T (tile_m / 2 a thread) in each of the step's two copies (masked and not): one MUFU.EX2 for P;
     # with SOFTCAP one MUFU.TANH for the cap and one MUFU.LG2 for its derivative (tanh recovered from P)
@@ -298,8 +314,9 @@ def test_softcap_and_alibi_backward_compile_with_one_tanh_and_log_per_score(tmp_
 
 # The backward's packed (VARLEN) kernels, bf16, with and without the window: what `attnforge build --features
 # varlen,varlen+window` builds (bwd_variants.PACKED)
-VARLEN_BWD = [Sm90BwdVariant(bwd_variants.pick(d, masked=causal or window)[0], d, "bf16", causal, False, window, True)
-              for d in FEATURE_BWD_HEAD_DIMS for window in (False, True) for causal in (False, True)]
+VARLEN_BWD = either_way(lambda: [
+    Sm90BwdVariant(bwd_variants.pick(d, masked=causal or window)[0], d, "bf16", causal, False, window, True)
+    for d in FEATURE_BWD_HEAD_DIMS for window in (False, True) for causal in (False, True)])
 # measured here (stack bytes): d=64 causal 40 (8 dense; 24 with the window), d=128 causal 8 (0 dense)
 VARLEN_BWD_SPILL_BYTES = {64: 40, 128: 8}
 
@@ -326,7 +343,9 @@ def test_padded_backwards_run_the_next_kernel_and_are_served():
     for v in PADDED_BWD:
         params = v.tile.params(v.head_dim)
         assert (params["head_dim"], params["head_dim_padded"]) == (v.head_dim, bwd_variants.kernel_head_dim(v.head_dim))
-        assert bwd_variants.pick(v.head_dim, masked=v.causal) == bwd_variants.table_tile(v.head_dim, masked=v.causal)
+        with mock.patch.object(bwd_variants, "UNMASKED_ONLY_SERVED", True):
+            assert bwd_variants.pick(v.head_dim, masked=v.causal) == bwd_variants.table_tile(v.head_dim,
+                                                                                           masked=v.causal)
     assert all(bwd_variants.kernel_head_dim(d) == d for d in bwd_variants.KERNEL_HEAD_DIMS)
     assert not any(d % 8 for d in SERVED_BWD_HEAD_DIMS)
 
@@ -341,9 +360,10 @@ def test_backward_variant_compiles_for_sm90a_with_wgmma_tma_and_reduce_add(tmp_p
     assert re.search(rf"HGMMA\.64x{tile.tile_m}x16\.F32{element} R\d+, gdesc\[UR\d+\], RZ, !UPT", sass)
     # dV += P^T dO and dK += dS^T Q: the A operand from registers, dO and Q read transposed
     assert len(re.findall(rf"HGMMA\.64x{head_dim}x16\.F32{element} R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", sass)) >= 2
-    # dQ = dS K: dS and K both read transposed from shared memory, split across the two warpgroups
-    dq_cols = head_dim if tile.tile_m == 128 else head_dim // 2
-    assert re.search(rf"HGMMA\.64x{dq_cols}x16\.F32{element} R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass)
+    # dQ = dS K: dS and K both read transposed from shared memory, split across the two warpgroups (dq_transposed:
+    # dQ^T = K^T dS^T, 64 of dQ's columns by tile_m queries per warpgroup)
+    dq_shape = f"64x{tile.tile_m}" if tile.dq_transposed else f"64x{head_dim if tile.tile_m == 128 else head_dim // 2}"
+    assert re.search(rf"HGMMA\.{dq_shape}x16\.F32{element} R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass)
     # deterministic: the dQ warp's acquire loads of a query block's count and its release add; in the others neither
     ordered = [bool(re.search(rf"\b{op}\S*\.STRONG\.GPU", sass)) for op in ("LDG", "REDG")]
     assert ordered == [variant.deterministic] * 2, ordered

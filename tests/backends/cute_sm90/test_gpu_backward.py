@@ -2,7 +2,8 @@
 output (rounded to the dtype) and LSE, with dK and dV poisoned (NaN) before the call so any element the kernel
 fails to write shows. Odd lengths, GQA/MQA, seqlen_q != seqlen_k both ways with bottom-right causal (rows that
 see no key: dQ 0), large-magnitude scores, the LSE's own gradient, every head dim of the backward table; the
-deterministic kernel twice, bit for bit; the 80-row transposed-dQ twin; the Triton kernels before and after it."""
+deterministic kernel twice, bit for bit; the 80-row transposed-dQ tile with a mask too; the Triton kernels before and
+after it."""
 
 import math
 
@@ -83,8 +84,9 @@ def test_deterministic_gradients_match_fp64_and_repeat_bit_for_bit(shape, head_d
     check_gradients(shape, "bf16", head_dim, causal, gen, deterministic=True)
 
 
-# FlashAttention-3's 80-row query block at d=128 (dq_transposed: dQ^T = K^T dS^T), with d=128's dK/dV TMA stores: a
-# sweep twin (benchmarks/sweep_bwd_sm90.py) that the table would serve to unmasked calls (unmasked_only) once it wins
+# FlashAttention-3's 80-row query block at d=128 (dq_transposed: dQ^T = K^T dS^T), with d=128's dK/dV TMA stores: the
+# table's tile for unmasked calls (unmasked_only, which the tests above run through table_tile), here with a causal
+# mask too, as benchmarks/sweep_bwd_sm90.py's twins may time it
 ROWS80 = bwd_variants.Sm90BwdTile(80, dq_transposed=True, tma_store_dkv=True)
 
 

@@ -5,7 +5,8 @@ GQA, odd lengths; the softcap alone and with a window; sinks alone and with both
 head) alone and with all three; automatic dispatch's training (this forward and cute_sm90's backward, from this
 forward's LSE) on one case per feature; the backward forced, with windows, softcap and ALiBi at d=64, 128 and 256, and
 at d=80 and 192 (the 128 and 256 kernels with zero-filled columns); the head-dim-256 kernel's feature forms are served
-here whatever bwd_variants.SPLIT_HEAD_DIM_FEATURES_SERVED says, these tests being what its serving waits for."""
+here whatever bwd_variants.SPLIT_HEAD_DIM_FEATURES_SERVED says, these tests being what its serving waits for, and so
+is d=128's 80-row tile for calls without a mask or window (UNMASKED_ONLY_SERVED)."""
 
 import math
 
@@ -20,6 +21,16 @@ from attnforge.dispatch.problem import SMALL_SOFTCAP
 from attnforge.testing import assert_close, assert_grads_close, needs_gpu, oracle, peer_error, sees
 
 pytestmark = [pytest.mark.gpu, needs_gpu((9, 0), "sm90")]
+
+
+@pytest.fixture(autouse=True)
+def unmasked_only_served(monkeypatch):
+    """The table's tiles for calls without a mask or window (d=128's 80-row one) served
+    (bwd_variants.UNMASKED_ONLY_SERVED), these tests being part of what their serving waits for."""
+    monkeypatch.setattr(bwd_variants, "UNMASKED_ONLY_SERVED", True)
+    clear_caches()
+    yield
+    clear_caches()  # (the flag is restored after this: no Decision made with it outlives the test)
 
 # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, causal, window, softcap, sinks[, alibi slopes' shape: "h" or "bh"])
 CASES = [

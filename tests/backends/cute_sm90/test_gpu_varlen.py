@@ -4,7 +4,8 @@ math per sequence, outputs NaN-filled before the call (poisoned_empty) so a row 
 a warpgroup's edge (TMA stores), sequences with queries and no keys, GQA, causal, windows, softcap, sinks and ALiBi,
 every tile family of the table (d=8 with its padded head dim); the backward from this forward's output and LSE on the
 plain cases: cute_sm90's packed backward where its table serves the head dim, served here whatever
-bwd_variants.PACKED and SPLIT_HEAD_DIM_FEATURES_SERVED (the head-dim-256 kernel's packed form) say
+bwd_variants.PACKED, SPLIT_HEAD_DIM_FEATURES_SERVED (the head-dim-256 kernel's packed form) and UNMASKED_ONLY_SERVED
+(d=128's 80-row tile without a mask or window) say
 (sequences with keys and no queries included: their dK and dV are zeros it must write; sequences starting at rows
 that are not a multiple of four: the LSE's padded rows), triton_fa2's VARLEN one at the others; and cute_sm90's
 packed backward with sliding windows."""
@@ -29,6 +30,7 @@ def packed_backward_served(monkeypatch):
     these tests being what its serving waits for."""
     monkeypatch.setattr(bwd_variants, "PACKED", True)
     monkeypatch.setattr(bwd_variants, "SPLIT_HEAD_DIM_FEATURES_SERVED", True)
+    monkeypatch.setattr(bwd_variants, "UNMASKED_ONLY_SERVED", True)  # (d=128's 80-row tile without a mask or window)
     clear_caches()
     yield
     clear_caches()  # (the flags are restored after this: no Decision made with them outlives the test)
