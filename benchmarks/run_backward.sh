@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The cute_sm90 backward on the lent H200. Steps (STEPS, default "tests bench"):
 #   tests  the backward's GPU tests against fp64 (tests/backends/cute_sm90/test_gpu_backward.py; TESTS_K filters);
+#   forms  the GPU tests of the kernel-128 tiles' feature and packed forms (test_gpu_features.py's forced backward at
+#          d=128, 96 and 80 and test_gpu_varlen.py at d=128 and 96), which serve the table's unmasked-only tiles
+#          whatever bwd_variants.UNMASKED_ONLY_SERVED says: with `tests`, what serving d=128's 80-row tile waits for;
 #   bench  forward+backward at d=64/128 (BENCH_DIMS), N=1k/4k/16k, 16k tokens, against cuDNN and FA4 (`attnforge
 #          bench --mode fwd+bwd`: FLOPs 3.5x the forward's 4 N^2 d per head, halved causal);
 #   gqa    a Llama-style GQA 32/8 causal training shape (d=128, N=8k, batch 2) against cuDNN and FA4.
@@ -26,6 +29,12 @@ for step in ${STEPS:-tests bench}; do
     tests) timeout "${TEST_S:-300}" python3 -m pytest tests/backends/cute_sm90/test_gpu_backward.py -q -p no:cacheprovider \
              -rf -x ${TESTS_K:+-k "$TESTS_K"} > "$out/tests.txt" 2>&1
            grep -E "^(FAILED|ERROR|E  )|passed|failed" "$out/tests.txt" | tail -n 30 | tee -a "$out/log.txt" ;;
+    forms) for f in test_gpu_features test_gpu_varlen; do
+             k=$([[ $f == test_gpu_features ]] && echo "forced and (-128] or -96] or -80])" || echo "d128 or d96")
+             timeout "${TEST_S:-300}" python3 -m pytest tests/backends/cute_sm90/$f.py -q -p no:cacheprovider -rf \
+               -k "$k" > "$out/$f.txt" 2>&1
+             grep -E "^(FAILED|ERROR)|passed|failed" "$out/$f.txt" | tail -n 30 | tee -a "$out/log.txt"
+           done ;;
     bench) timeout "${BENCH_S:-240}" python3 -m attnforge bench --dtype bf16 --mode fwd+bwd --head-dim "${BENCH_DIMS:-64,128}" \
              --seqlen "${BENCH_SEQLEN:-1024,4096,16384}" --backends cute_sm90,sdpa-cudnn,fa4 --baseline fa4 \
              --out "$out/bench.json" 2>&1 | grep -v Warning | tee "$out/bench.txt" | tail -n 40 ;;
