@@ -25,8 +25,6 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
 
 
-
-
 def either_way(make) -> list:
     """make()'s variants with the table's tiles for unmasked calls served and not (bwd_variants.UNMASKED_ONLY_SERVED:
     d=128's 80-row tile): what `attnforge build` compiles now, and once they are served, each once."""
@@ -46,13 +44,15 @@ KERNEL_BWD_HEAD_DIMS = [d for d in SERVED_BWD_HEAD_DIMS if bwd_variants.kernel_h
 # the one-warpgroup-per-64-keys kernels' WINDOW, SOFTCAP, ALIBI and VARLEN forms (the head-dim-256 kernel's are
 # compiled below, SPLIT_FEATURE_BWD)
 FEATURE_BWD_HEAD_DIMS = [d for d in KERNEL_BWD_HEAD_DIMS if not bwd_variants.pick(d, masked=True)[0].split_head_dim]
-ALL = either_way(registered()["cute_sm90"].variants)  # every variant the planner can pick: what `attnforge build` compiles
+# every variant the planner can pick (now, and once unmasked-only tiles are served): what `attnforge build` compiles
+ALL = either_way(registered()["cute_sm90"].variants)
 VARIANTS = [v for v in ALL if isinstance(v, Sm90Variant)]
 BWD_VARIANTS = [v for v in ALL if isinstance(v, Sm90BwdVariant)]
 KERNEL_BWD = [v for v in BWD_VARIANTS if v.head_dim in KERNEL_BWD_HEAD_DIMS]
 # deterministic=True's kernels (`attnforge build --deterministic`), in one dtype
 DETERMINISTIC = [v for v in either_way(lambda: registered()["cute_sm90"].variants(
-    dtypes=("bf16",), head_dims=KERNEL_BWD_HEAD_DIMS, deterministic=True)) if isinstance(v, Sm90BwdVariant) and v.deterministic]
+    dtypes=("bf16",), head_dims=KERNEL_BWD_HEAD_DIMS, deterministic=True))
+                 if isinstance(v, Sm90BwdVariant) and v.deterministic]
 
 
 def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
