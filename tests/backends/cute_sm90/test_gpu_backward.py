@@ -23,7 +23,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 def planned(dtype: str, head_dim: int, causal: bool, deterministic: bool = False, tile=None):
     """The backward Variant of the table's tile for (dtype, head_dim, causal, deterministic), served or turned off
-    (bwd_variants.table_tile), or of ``tile``, one the table does not hold (yet)."""
+    (bwd_variants.table_tile), or of ``tile`` (a table tile under another mask than it serves)."""
     from attnforge.backends.cute_sm90.backward import Sm90BwdVariant
 
     if tile is None:
@@ -87,13 +87,14 @@ def test_deterministic_gradients_match_fp64_and_repeat_bit_for_bit(shape, head_d
 # FlashAttention-3's 80-row query block at d=128 (dq_transposed: dQ^T = K^T dS^T), with d=128's dK/dV TMA stores: the
 # table's tile for unmasked calls (unmasked_only, which the tests above run through table_tile), here with a causal
 # mask too, as benchmarks/sweep_bwd_sm90.py's twins may time it
-ROWS80 = bwd_variants.Sm90BwdTile(80, dq_transposed=True, tma_store_dkv=True)
+ROWS80 = bwd_variants.table_tile(128, masked=False)[0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_the_80_row_transposed_dq_tile_matches_fp64(shape, dtype, causal, gen):
+    assert (ROWS80.tile_m, ROWS80.dq_transposed, ROWS80.tma_store_dkv) == (80, True, True)
     assert bwd_variants.check(ROWS80, 128) == []
     check_gradients(shape, dtype, 128, causal, gen, tile=ROWS80)
 

@@ -32,6 +32,7 @@ def unmasked_only_served(monkeypatch):
     yield
     clear_caches()  # (the flag is restored after this: no Decision made with it outlives the test)
 
+
 # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, causal, window, softcap, sinks[, alibi slopes' shape: "h" or "bh"])
 CASES = [
     (2, 4, 2, 1023, 1023, True, (255, -1), 0.0, False),    # Mistral's: causal + a left window, edges inside blocks
@@ -163,6 +164,7 @@ def split_features_served(monkeypatch):
     clear_caches()
     yield
     clear_caches()  # (the flag is restored after this: no Decision made with it outlives the test)
+
 
 # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, causal, window, with sinks): cute_sm90's WINDOW backward
 WINDOW_BACKWARD = [
