@@ -74,11 +74,12 @@ SPLIT_HEAD_DIM_FEATURES_REASON = ("its head-dim-256 backward's sliding-window, s
                                   "the dense, plain one is served)")
 # Tiles the table holds for calls without a causal mask or window (unmasked_only: d=128's 80-row tile). Its plain
 # kernel passed its GPU test against fp64 math on an H100 (2026-12-05: test_gpu_backward.py -k 80_row, 28 cases) and
-# ran 0.9-3.4% faster than the 64-row tile (benchmarks/results/2026-12-05-h100-bwd80/). Its other forms
-# (deterministic, padded head dims, softcap, ALiBi, packed) compile with their SASS checked (test_compile.py) and
-# have not run on a GPU; test_gpu_backward.py, test_gpu_features.py and test_gpu_varlen.py run them whatever this
-# says. Until they pass, pick() passes over such tiles to the masked calls' tile; True serves them.
-UNMASKED_ONLY_SERVED = False
+# ran 0.9-3.4% faster than the 64-row tile (benchmarks/results/2026-12-05-h100-bwd80/). Its other forms passed theirs
+# on an H100 (2026-12-06, benchmarks/results/2026-12-06-h100-bwd80-served/: test_gpu_backward.py 334 passed, the
+# deterministic and padded d=80/96 forms among them; test_gpu_features.py's forced window, softcap and ALiBi
+# backwards at d=128/96/80, 22; test_gpu_varlen.py's packed ones at d=128/96, 18), so they are served. False makes
+# pick() pass over such tiles to the masked calls' tile.
+UNMASKED_ONLY_SERVED = True
 # Per consumer thread beyond the accumulators and P: addresses, loop state, the LSE and delta of its columns.
 # A rough figure: ptxas decides, and the compile test fails on a spill the table does not accept.
 REGISTER_OVERHEAD = 16
@@ -235,8 +236,7 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # interface.py _tile_size_bwd_sm90), dQ transposed so its columns split by warpgroup: beside the 64-row tile, 5
 # interleaved rounds on an H100, 16k tokens, full: N=16k 590.5 vs 580.9, 4k 541.0 vs 536.0, 1k 449.4 vs 434.6 (FA4
 # 612.9/566.3/456.5, cuDNN 545.5/518.7/415.3; benchmarks/results/2026-12-05-h100-bwd80/). Masked calls keep 64
-# rows, as FlashAttention-3/4 do; the 80-row tile has not been timed with a mask. (Served once all its forms pass
-# their GPU tests: UNMASKED_ONLY_SERVED.)
+# rows, as FlashAttention-3/4 do; the 80-row tile has not been timed with a mask. (Served: UNMASKED_ONLY_SERVED.)
 # Head dim 256 (FlashAttention-3's tiles there: 64 query rows, 80 keys, the head dim split between two warpgroups):
 # 64 x 64 with one stage of Q and dO, to fit 227 KB of shared memory. H200, bf16, forward+backward at 16k tokens
 # (benchmarks/results/2026-12-03-h200-bwd256/sweep.json), TFLOP/s full/causal: N=16k 351/372, N=4k 342/329, N=1k
