@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
 
 def either_way(make) -> list:
     """make()'s variants with the table's tiles for unmasked calls served and not (bwd_variants.UNMASKED_ONLY_SERVED:
-    d=128's 80-row tile): what `attnforge build` compiles now, and once they are served, each once."""
+    d=128's 80-row tile): what `attnforge build` compiles now, and with that flag turned off, each once."""
     out = {}
     for served in (False, True):
         with mock.patch.object(bwd_variants, "UNMASKED_ONLY_SERVED", served):
@@ -44,7 +44,7 @@ KERNEL_BWD_HEAD_DIMS = [d for d in SERVED_BWD_HEAD_DIMS if bwd_variants.kernel_h
 # the one-warpgroup-per-64-keys kernels' WINDOW, SOFTCAP, ALIBI and VARLEN forms (the head-dim-256 kernel's are
 # compiled below, SPLIT_FEATURE_BWD)
 FEATURE_BWD_HEAD_DIMS = [d for d in KERNEL_BWD_HEAD_DIMS if not bwd_variants.pick(d, masked=True)[0].split_head_dim]
-# every variant the planner can pick (now, and once unmasked-only tiles are served): what `attnforge build` compiles
+# every variant the planner can pick (now, and with unmasked-only tiles turned off): what `attnforge build` compiles
 ALL = either_way(registered()["cute_sm90"].variants)
 VARIANTS = [v for v in ALL if isinstance(v, Sm90Variant)]
 BWD_VARIANTS = [v for v in ALL if isinstance(v, Sm90BwdVariant)]
@@ -55,6 +55,15 @@ DETERMINISTIC = [v for v in either_way(lambda: registered()["cute_sm90"].variant
                  if isinstance(v, Sm90BwdVariant) and v.deterministic]
 
 
+def picks_either_way(head_dim: int, causal: bool) -> set:
+    """bwd_variants.pick's tiles for the call with unmasked-only tiles served and not (see either_way)."""
+    tiles = set()
+    for served in (False, True):
+        with mock.patch.object(bwd_variants, "UNMASKED_ONLY_SERVED", served):
+            tiles.add(bwd_variants.pick(head_dim, masked=causal)[0])
+    return tiles
+
+
 def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
     assert sorted(v.name for v in VARIANTS) == sorted(
         Sm90Variant(tile, kind, head_dim, dtype, causal).name for kind, head_dim, tile in variants.picks()
@@ -62,8 +71,7 @@ def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
     assert all(v.build.arch == cc.ARCH == "sm_90a" and v.build.module == v.module for v in VARIANTS)
     assert sorted(v.name for v in BWD_VARIANTS) == sorted({
         Sm90BwdVariant(tile, d, dtype, causal).name for d in SERVED_BWD_HEAD_DIMS for dtype in ("fp16", "bf16")
-        for causal in (False, True) for tile in {bwd_variants.pick(d, masked=causal)[0],  # served now, and then
-                                                 bwd_variants.table_tile(d, masked=causal)[0]}})
+        for causal in (False, True) for tile in picks_either_way(d, causal)})
     assert len(ALL) == len(VARIANTS) + len(BWD_VARIANTS)
 
 
