@@ -25,14 +25,18 @@ pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
                                 reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
 
 
-def either_way(make) -> list:
-    """make()'s variants with the table's tiles for unmasked calls served and not (bwd_variants.UNMASKED_ONLY_SERVED:
-    d=128's 80-row tile): what `attnforge build` compiles now, and with that flag turned off, each once."""
-    out = {}
+def served_and_not():
+    """Yields twice: with the table's tiles for unmasked calls not served and served (bwd_variants.
+    UNMASKED_ONLY_SERVED: d=128's 80-row tile)."""
     for served in (False, True):
         with mock.patch.object(bwd_variants, "UNMASKED_ONLY_SERVED", served):
-            out.update((v.name, v) for v in make())
-    return list(out.values())
+            yield served
+
+
+def either_way(make) -> list:
+    """make()'s variants both ways of served_and_not(): what `attnforge build` compiles now, and with that flag
+    turned off, each once."""
+    return list({v.name: v for _ in served_and_not() for v in make()}.values())
 
 
 # the backward's head dims the planner serves (bwd_variants.pick: every multiple of 8 up to 256)
@@ -57,11 +61,7 @@ DETERMINISTIC = [v for v in either_way(lambda: registered()["cute_sm90"].variant
 
 def picks_either_way(head_dim: int, causal: bool) -> set:
     """bwd_variants.pick's tiles for the call with unmasked-only tiles served and not (see either_way)."""
-    tiles = set()
-    for served in (False, True):
-        with mock.patch.object(bwd_variants, "UNMASKED_ONLY_SERVED", served):
-            tiles.add(bwd_variants.pick(head_dim, masked=causal)[0])
-    return tiles
+    return {bwd_variants.pick(head_dim, masked=causal)[0] for _ in served_and_not()}
 
 
 def test_the_variants_are_the_table_picks_in_every_dtype_and_causality():
