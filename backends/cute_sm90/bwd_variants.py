@@ -93,6 +93,9 @@ class Sm90BwdTile:
     tile_m: int
     tile_n: int = 128
     q_stages: int = 2
+    # stages of dO (with its delta) where not q_stages: FlashAttention-4 runs head dim 256 on two Q stages and one dO
+    # stage (flash_attn/cute/interface.py, _tile_size_bwd_sm90)
+    do_stages: int | None = None
     producer_registers: int = 24
     consumer_registers: int = 240
     accepted_spill_bytes: int = 0
@@ -117,6 +120,12 @@ class Sm90BwdTile:
     # split_head_dim only: P^T stored as soon as it is converted and dV issued before dS is computed (DV_AHEAD in the
     # template), so dV's WGMMA runs under the dS arithmetic
     dv_ahead: bool = False
+    # one dQ staging buffer that the consumer warpgroups take in turn (SHARED_DQ_STAGING in the template), not one
+    # each: half the shared memory, for a second Q stage at head dim 256
+    shared_dq_staging: bool = False
+    # dK's WGMMA issued before dQ's, so that Q is released (and the next block's Q loaded) while dQ's runs
+    # (DK_BEFORE_DQ in the template), for tiles with one Q stage
+    dk_before_dq: bool = False
     # the table serves this tile only to calls without a causal mask or window (masked calls take the next entry):
     # FlashAttention-3 and -4 run head dim 128 on 80-row query blocks without a mask and 64-row ones with it
     # (FlashAttention-4's flash_attn/cute/interface.py, _tile_size_bwd_sm90). Not part of the kernel.
@@ -126,27 +135,38 @@ class Sm90BwdTile:
     def consumer_warpgroups(self) -> int:
         return 2 if self.split_head_dim else self.tile_n // 64
 
+    @property
+    def dout_stages(self) -> int:
+        """Stages of dO: do_stages, or q_stages where it is None."""
+        return self.q_stages if self.do_stages is None else self.do_stages
+
     def module(self, head_dim: int) -> str:
         options = "".join(suffix for on, suffix in ((self.split_head_dim, "_sd"), (self.stats_ahead, "_sa"),
                                                     (self.ds_key_major, "_dk"), (self.tma_store_dkv, "_ts"),
-                                                    (self.dq_transposed, "_dt"), (self.dv_ahead, "_dv")) if on)
-        return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_s{self.q_stages}{options}"
+                                                    (self.dq_transposed, "_dt"), (self.dv_ahead, "_dv"),
+                                                    (self.shared_dq_staging, "_sq"), (self.dk_before_dq, "_kq")) if on)
+        stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"o{self.dout_stages}")
+        return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_{stages}{options}"
 
     def params(self, head_dim: int) -> dict:
         # unmasked_only is the table's, not the kernel's: one kernel, one generated module
-        kernel = {k: v for k, v in dataclasses.asdict(self).items() if k != "unmasked_only"}
+        kernel = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("unmasked_only", "do_stages")}
+        kernel["do_stages"] = self.dout_stages
         return {**kernel, "head_dim": head_dim, "head_dim_padded": kernel_head_dim(head_dim)}
 
     def smem_bytes(self, head_dim: int) -> int:
         """Shared memory of the kernel for the (kernel) ``head_dim``."""
         kv = 2 * self.tile_n * head_dim * 2  # K and V
-        q_do = 2 * self.q_stages * self.tile_m * head_dim * 2  # Q and dO stages
+        q_do = (self.q_stages + self.dout_stages) * self.tile_m * head_dim * 2  # Q and dO stages
         ds = 2 * self.tile_m * self.tile_n * 2 * (2 if self.split_head_dim else 1)  # two dS (and P^T) stages
-        dq = self.tile_m * head_dim * 4  # the fp32 dQ staging buffers of both warpgroups
+        dq = self.tile_m * head_dim * 4  # the fp32 dQ staging buffers of both warpgroups (or one shared: half)
+        if self.shared_dq_staging:
+            dq //= self.consumer_warpgroups
         # the template's Storage: the mbarriers, then the LSE and delta rows (each stage's on 128 bytes), then the
         # buffers, each 1024-byte aligned and a multiple of 1024 bytes
-        stats = ((self.q_stages - 1) * -(-self.tile_m // 32) * 32 + self.tile_m) * 4
-        head = 8 * (2 + 4 * self.q_stages) + 2 * -(-stats // 128) * 128
+        stats = sum(-(-((stages - 1) * -(-self.tile_m // 32) * 32 + self.tile_m) * 4 // 128) * 128
+                    for stages in (self.q_stages, self.dout_stages))
+        head = 8 * (2 + 2 * self.q_stages + 2 * self.dout_stages) + stats
         return -(-head // 1024) * 1024 + kv + q_do + ds + dq
 
     def registers_needed(self, head_dim: int) -> int:
@@ -168,8 +188,11 @@ class Sm90BwdTile:
                                                 (self.ds_key_major, ", dS key-major"),
                                                 (self.tma_store_dkv, ", dK/dV by TMA"),
                                                 (self.dq_transposed, ", dQ transposed"),
-                                                (self.dv_ahead, ", dV ahead of dS")) if on)
-        return f"{self.tile_m}x{self.tile_n} s{self.q_stages} {self.consumer_warpgroups} consumer warpgroups{options}"
+                                                (self.dv_ahead, ", dV ahead of dS"),
+                                                (self.shared_dq_staging, ", one dQ staging buffer"),
+                                                (self.dk_before_dq, ", dK before dQ")) if on)
+        stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"/{self.dout_stages}")
+        return f"{self.tile_m}x{self.tile_n} {stages} {self.consumer_warpgroups} consumer warpgroups{options}"
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -199,6 +222,8 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
             reasons.append("split_head_dim reads dS's bytes as dS^T for dK: ds_key_major does not apply")
     elif tile.tile_n != 128:
         reasons.append(f"tile_n {tile.tile_n} != 128 (two consumer warpgroups of 64 keys)")
+    if min(tile.q_stages, tile.dout_stages) < 1:
+        reasons.append(f"{tile.q_stages} Q and {tile.dout_stages} dO stages: each needs at least one")
     if tile.dv_ahead and not tile.split_head_dim:
         reasons.append("dv_ahead issues dV from P^T in shared memory, which only split_head_dim stores there")
     if tile.dq_transposed:
@@ -242,11 +267,20 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # (benchmarks/results/2026-12-03-h200-bwd256/sweep.json), TFLOP/s full/causal: N=16k 351/372, N=4k 342/329, N=1k
 # 295/243, against FlashAttention-4's 432/433, 414/387, 346/283 and cuDNN's 415/426, 424/388, 348/281 in the same
 # rounds (triton_fa2's backward, the one served before: 106/110).
+# It issues dK's WGMMA before dQ's (dk_before_dq): with one Q stage the next block's Q loads only once Q is released,
+# which dK's completion gates; dK first releases it under dQ's WGMMA and staging. Beside the same tile without it,
+# forward+backward, bf16, 16k tokens, 3 interleaved rounds on an H100 (2026-12-06,
+# benchmarks/results/2026-12-06-h100-bwd256-dk-first/twin256.json), TFLOP/s full/causal: N=16k 458.4/454.8 against
+# 352.5/359.1, 4k 430.4/381.4 against 332.3/313.2, 1k 338.6/260.2 against 279.4/226.2 (+15% to +30%); FlashAttention-4
+# 390.4/392.4, 375.6/349.5, 311.7/245.1 and cuDNN 404.8/408.0, 382.6/360.7, 329.9/259.8 in the same rounds. Two Q
+# stages with one dO stage (FlashAttention-4's head-dim-256 choice), which fit beside one dQ staging buffer shared by
+# the warpgroups (shared_dq_staging), ran 451.7/440.5, 418.6/378.6, 341.6/259.9: level at 1k, 1-3% behind at 4k and 16k;
+# with dK first too, 443.4/432.7, 417.9/377.6, 338.3/259.4. Not taken; both stay template options (--twin).
 BWD: dict[int, list[Sm90BwdTile]] = {
     64: [Sm90BwdTile(128, accepted_spill_bytes=8)],
     128: [Sm90BwdTile(80, dq_transposed=True, tma_store_dkv=True, unmasked_only=True),
           Sm90BwdTile(64, tma_store_dkv=True)],
-    256: [Sm90BwdTile(64, tile_n=64, q_stages=1, split_head_dim=True)],
+    256: [Sm90BwdTile(64, tile_n=64, q_stages=1, split_head_dim=True, dk_before_dq=True)],
 }
 
 

@@ -534,18 +534,56 @@ def test_dv_ahead_is_for_the_split_head_dim_tile_only():
     assert bwd_variants.check(dataclasses.replace(bwd_variants.table_tile(128, masked=True)[0], dv_ahead=True), 128)
 
 
-@pytest.mark.parametrize("variant", DV_AHEAD, ids=[v.name for v in DV_AHEAD])
-def test_dv_ahead_issues_dv_between_the_p_barrier_and_the_ds_barrier(tmp_path, variant):
-    """In each copy of the step (masked and not), after S^T's wait: P^T stored, the P^T barrier (named barrier 7,
-    both consumer warpgroups: 256 threads), dV's WGMMA (P^T from shared memory), the wait for dP^T that leaves dV
-    running, then the dS barrier (1) and the dQ and dK WGMMAs."""
-    sass = backward_sass(tmp_path, variant, 24)
-    assert_split_gemms(sass, variant)
+def step_events(sass: str) -> list[str]:
+    """The head-dim-256 kernel's step in issue order: the P^T barrier (named barrier 7, both consumer warpgroups: 256
+    threads), the dS barrier (1), dV's or dK's WGMMA (their last K steps), dQ's (its first) and the waits that leave
+    one WGMMA group running."""
     dv = r"HGMMA\.64x128x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspB, R\d+, gsb0"  # dV's and dK's last K steps
     dq = r"HGMMA\.64x128x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB, RZ"  # dQ's first
     events = re.findall(rf"BAR\.SYNC\.DEFER_BLOCKING 0x7, 0x100|BAR\.SYNC\.DEFER_BLOCKING 0x1, 0x100|{dv}|{dq}|"
                         r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", sass)
-    kinds = ["p_bar" if "0x7" in e else "ds_bar" if "0x1, 0x100" in e else "dq" if "RZ" in e else
-             "wait1" if "DEPBAR" in e else "dv_or_dk" for e in events]
-    step = ["wait1", "p_bar", "dv_or_dk", "wait1", "ds_bar", "dq", "dv_or_dk", "wait1"]  # (the first wait: S^T)
-    assert kinds == step * 2, kinds
+    return ["p_bar" if "0x7" in e else "ds_bar" if "0x1, 0x100" in e else "dq" if "RZ" in e else
+            "wait1" if "DEPBAR" in e else "dv_or_dk" for e in events]
+
+
+def dk_and_dq(tile) -> list[str]:
+    """dK's and dQ's WGMMAs in the tile's issue order (dk_before_dq), then the wait that leaves the second running."""
+    return (["dv_or_dk", "dq"] if tile.dk_before_dq else ["dq", "dv_or_dk"]) + ["wait1"]
+
+
+@pytest.mark.parametrize("variant", DV_AHEAD, ids=[v.name for v in DV_AHEAD])
+def test_dv_ahead_issues_dv_between_the_p_barrier_and_the_ds_barrier(tmp_path, variant):
+    """In each copy of the step (masked and not), after S^T's wait: P^T stored, the P^T barrier, dV's WGMMA (P^T
+    from shared memory), the wait for dP^T that leaves dV running, then the dS barrier and the dQ and dK WGMMAs."""
+    sass = backward_sass(tmp_path, variant, 24)
+    assert_split_gemms(sass, variant)
+    step = ["wait1", "p_bar", "dv_or_dk", "wait1", "ds_bar", *dk_and_dq(variant.tile)]  # (the first wait: S^T)
+    assert step_events(sass) == step * 2, step_events(sass)
+
+
+# The head-dim-256 table tile issues dK before dQ (bwd_variants.py: with one Q stage, Q is released for the next
+# block's load while dQ's WGMMA runs); FlashAttention-4's two Q stages and one dO stage, which one dQ staging buffer
+# shared by the warpgroups makes room for, are benchmarks/sweep_bwd_sm90.py's
+# --twin q_stages=2+do_stages=1+shared_dq_staging: both compiled here, deterministic too (its dQ warp's turns).
+TABLE_256 = bwd_variants.table_tile(256, masked=True)[0]
+TWO_Q_STAGES_TILE = dataclasses.replace(TABLE_256, q_stages=2, do_stages=1, shared_dq_staging=True)
+ISSUE_ORDER = [Sm90BwdVariant(TABLE_256, 256, "bf16", False),
+               Sm90BwdVariant(TWO_Q_STAGES_TILE, 256, "bf16", True),
+               Sm90BwdVariant(TWO_Q_STAGES_TILE, 256, "bf16", False, True)]
+
+
+def test_two_q_stages_fit_at_head_dim_256_only_with_one_shared_dq_staging_buffer():
+    assert TABLE_256.dk_before_dq and bwd_variants.check(TWO_Q_STAGES_TILE, 256) == []
+    assert TWO_Q_STAGES_TILE.smem_bytes(256) <= bwd_variants.SMEM_BYTES
+    unshared = dataclasses.replace(TWO_Q_STAGES_TILE, shared_dq_staging=False)
+    assert any("shared memory" in r for r in bwd_variants.check(unshared, 256))
+
+
+@pytest.mark.parametrize("variant", ISSUE_ORDER, ids=[v.name for v in ISSUE_ORDER])
+def test_head_dim_256_step_issues_dv_then_dk_and_dq_in_the_tiles_order(tmp_path, variant):
+    """Without dv_ahead, after the dS barrier: dV's WGMMA, then dK's and dQ's in the tile's order and the wait that
+    leaves the last one running, in each copy of the step (masked and not)."""
+    sass = backward_sass(tmp_path, variant, 0)
+    assert_split_gemms(sass, variant)
+    step = ["wait1", "ds_bar", "dv_or_dk", *dk_and_dq(variant.tile)]  # (the first wait: S^T)
+    assert step_events(sass) == step * 2, step_events(sass)
