@@ -29,17 +29,17 @@ wait
 for f in "$OUT"/logs/*.log; do echo "== $f"; grep -v "Warning\|range_constexpr\|^  /tmp\|^$" "$f" | tail -n 30; done \
   > "$OUT/feature-tests.log"
 rm -rf "$OUT/logs"
-bench() {  # `attnforge bench` with the head-dim-256 kernel's feature forms served
-  python3 -c 'import sys
+# `attnforge bench` with the head-dim-256 kernel's feature forms served (a program text, not a shell function:
+# timeout runs commands only)
+SERVED_BENCH='import sys
 from attnforge.backends.cute_sm90 import bwd_variants
 bwd_variants.SPLIT_HEAD_DIM_FEATURES_SERVED = True
 from attnforge.cli import main
-sys.exit(main(sys.argv[1:]))' bench "$@"
-}
-timeout "${BENCH_TIMEOUT:-240}" bench --seqlen 4096,16384 --head-dim "$BENCH_HEAD_DIM" --causal both \
-  --mode fwd+bwd --softcap 30 --backends auto,triton_fa2,cute_sm90,fa4 --out "$OUT/softcap-train.json" \
+sys.exit(main(sys.argv[1:]))'
+timeout "${BENCH_TIMEOUT:-240}" python3 -c "$SERVED_BENCH" bench --seqlen 4096,16384 --head-dim "$BENCH_HEAD_DIM" \
+  --causal both --mode fwd+bwd --softcap 30 --backends auto,triton_fa2,cute_sm90,fa4 --out "$OUT/softcap-train.json" \
   > "$OUT/softcap-train.log" 2>&1
-timeout "${BENCH_TIMEOUT:-240}" bench --seqlen 32768 --tokens 32768 --head-dim "$BENCH_HEAD_DIM" \
-  --heads $((2048 / BENCH_HEAD_DIM)) --causal true --window-size 4096,0 --mode fwd+bwd \
+timeout "${BENCH_TIMEOUT:-240}" python3 -c "$SERVED_BENCH" bench --seqlen 32768 --tokens 32768 \
+  --head-dim "$BENCH_HEAD_DIM" --heads $((2048 / BENCH_HEAD_DIM)) --causal true --window-size 4096,0 --mode fwd+bwd \
   --backends auto,triton_fa2,cute_sm90,fa4 --out "$OUT/window-train.json" > "$OUT/window-train.log" 2>&1
 tail -n 6 "$OUT/feature-tests.log"; grep -v "Warning\|exe_args" "$OUT/softcap-train.log" "$OUT/window-train.log" | tail -n 40
