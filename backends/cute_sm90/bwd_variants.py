@@ -126,6 +126,10 @@ class Sm90BwdTile:
     # dK's WGMMA issued before dQ's, so that Q is released (and the next block's Q loaded) while dQ's runs
     # (DK_BEFORE_DQ in the template), for tiles with one Q stage
     dk_before_dq: bool = False
+    # the unmasked step's code placed first in the query-block loop (UNMASKED_FIRST in the template): ptxas gives the
+    # step it meets second 40-90 more instructions (its WGMMA descriptors rebuilt with 32-bit adds), so that one
+    # should be the rarer, masked step
+    unmasked_first: bool = False
     # the table serves this tile only to calls without a causal mask or window (masked calls take the next entry):
     # FlashAttention-3 and -4 run head dim 128 on 80-row query blocks without a mask and 64-row ones with it
     # (FlashAttention-4's flash_attn/cute/interface.py, _tile_size_bwd_sm90). Not part of the kernel.
@@ -144,7 +148,8 @@ class Sm90BwdTile:
         options = "".join(suffix for on, suffix in ((self.split_head_dim, "_sd"), (self.stats_ahead, "_sa"),
                                                     (self.ds_key_major, "_dk"), (self.tma_store_dkv, "_ts"),
                                                     (self.dq_transposed, "_dt"), (self.dv_ahead, "_dv"),
-                                                    (self.shared_dq_staging, "_sq"), (self.dk_before_dq, "_kq")) if on)
+                                                    (self.shared_dq_staging, "_sq"), (self.dk_before_dq, "_kq"),
+                                                    (self.unmasked_first, "_uf")) if on)
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"o{self.dout_stages}")
         return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_{stages}{options}"
 
@@ -190,7 +195,8 @@ class Sm90BwdTile:
                                                 (self.dq_transposed, ", dQ transposed"),
                                                 (self.dv_ahead, ", dV ahead of dS"),
                                                 (self.shared_dq_staging, ", one dQ staging buffer"),
-                                                (self.dk_before_dq, ", dK before dQ")) if on)
+                                                (self.dk_before_dq, ", dK before dQ"),
+                                                (self.unmasked_first, ", unmasked step first")) if on)
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"/{self.dout_stages}")
         return f"{self.tile_m}x{self.tile_n} {stages} {self.consumer_warpgroups} consumer warpgroups{options}"
 

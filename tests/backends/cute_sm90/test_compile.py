@@ -587,3 +587,21 @@ def test_head_dim_256_step_issues_dv_then_dk_and_dq_in_the_tiles_order(tmp_path,
     assert_split_gemms(sass, variant)
     step = ["wait1", "ds_bar", "dv_or_dk", *dk_and_dq(variant.tile)]  # (the first wait: S^T)
     assert step_events(sass) == step * 2, step_events(sass)
+
+
+# unmasked_first, an option benchmarks/sweep_bwd_sm90.py --twin unmasked_first times beside the table's tiles: the
+# query-block loop's unmasked step first in the code, the masked one (the causal mask's FSELs) second
+UNMASKED_FIRST = [Sm90BwdVariant(dataclasses.replace(bwd_variants.table_tile(128, masked=True)[0], unmasked_first=on),
+                                 128, "bf16", True) for on in (False, True)]
+
+
+@pytest.mark.parametrize("variant", UNMASKED_FIRST, ids=[v.name for v in UNMASKED_FIRST])
+def test_unmasked_first_orders_the_loops_two_step_copies(tmp_path, variant):
+    sass = backward_sass(tmp_path, variant, 0)
+    # each copy of the step zero-initialises three accumulators (S^T, dP^T, dQ): the fourth begins the second copy
+    starts = [m.start() for m in re.finditer(r"HGMMA\.\S+ R\d+, gdesc\[UR\d+\]\S*, RZ, !UPT", sass)]
+    assert len(starts) == 6, len(starts)
+    copies = sass[starts[0]:starts[3]], sass[starts[3]:]
+    selects = [len(re.findall(r"\bFSEL\b", copy)) for copy in copies]
+    masked_copy = 1 if variant.tile.unmasked_first else 0
+    assert selects[masked_copy] and not selects[1 - masked_copy], selects
