@@ -127,7 +127,7 @@ class Sm90BwdTile:
     # (DK_BEFORE_DQ in the template), for tiles with one Q stage
     dk_before_dq: bool = False
     # the unmasked step's code placed first in the query-block loop (UNMASKED_FIRST in the template): ptxas gives the
-    # step it meets second 40-90 more instructions (its WGMMA descriptors rebuilt with 32-bit adds), so that one
+    # step it meets second 65-101 more instructions (its WGMMA descriptors rebuilt with 32-bit adds), so that one
     # should be the rarer, masked step
     unmasked_first: bool = False
     # the table serves this tile only to calls without a causal mask or window (masked calls take the next entry):
