@@ -1,11 +1,12 @@
 """attnforge's training step through autograd (attention() forced to cute_sm90, then autograd.grad) beside the
 direct path of benchmarks/sweep_bwd_sm90.py (the no-grad forward with its LSE, then backward.run of the variant the
-Decision chose), at d=128 and 64, N=16k, b=1, 2048/d heads, bf16, causal and not: wall time per step (median of 20
+Decision chose), at d=128 and 64, N=16k (16k tokens: batch 16384 / N), 2048/d heads, bf16, causal and not: wall time per step (median of 20
 CUDA-event pairs, no L2 flush) and each path's GPU kernels under torch.profiler (5 steps). Both paths run the same
 kernels; this shows what the autograd glue adds around them (launches, copies, waits).
 
-    python benchmarks/autograd_vs_direct.py
+    python benchmarks/autograd_vs_direct.py [--head-dim 128,64] [--seqlen 16384]
 """
+import argparse
 import statistics
 
 import torch
@@ -16,8 +17,8 @@ from attnforge.backends.cute_sm90 import backward
 from attnforge.bench import measure
 
 
-def paths(d: int, causal: bool):
-    n, b, h = 16384, 1, 2048 // d
+def paths(d: int, n: int, causal: bool):
+    b, h = max(16384 // n, 1), 2048 // d
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, n, h, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
     dout, scale = torch.randn_like(q), d ** -0.5
@@ -36,9 +37,13 @@ def paths(d: int, causal: bool):
 
 
 def main() -> None:
-    for d in (128, 64):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head-dim", default="128,64")
+    parser.add_argument("--seqlen", type=int, default=16384)
+    args = parser.parse_args()
+    for d in map(int, args.head_dim.split(",")):
         for causal in (True, False):
-            for name, fn in paths(d, causal).items():
+            for name, fn in paths(d, args.seqlen, causal).items():
                 for _ in range(5):
                     fn()
                 torch.cuda.synchronize()
