@@ -262,7 +262,10 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # registers, but then dQ's 32 columns per warpgroup are below a 128-byte swizzle (check()).
 # d=128 stores dK and dV by TMA (tma_store_dkv): beside the same tile without it, 7 of 8 (N, mask) rows faster,
 # +1.6% on average (-2.6% to +4.5%), in two sweeps on an H100 (2026-12-05, 3 and 5 rounds); 0.93-0.97x FA4 and
-# 1.03-1.08x cuDNN there (benchmarks/results/2026-12-05-h100-kvcache-twins/). At d=64 +0.5% on average: not taken.
+# 1.03-1.08x cuDNN there (benchmarks/results/2026-12-05-h100-kvcache-twins/). At d=64, +0.5% on average at N=4k/16k
+# there, but where each CTA has few query blocks its epilogue weighs more: 3 rounds on an H100 (2026-12-06,
+# benchmarks/results/2026-12-06-h100-d64-tma-store/), full/causal, N=1k 365.1/262.7 against 352.4/249.4 (+3.6%/+5.3%),
+# 4k 464.3/408.3 against 458.4/396.7 (+1.3%/+2.9%); FA4 388.6/274.9 and 481.1/432.6 in the same rounds. Taken.
 # Calls without a causal mask or window take 80-row query blocks at d=128 (FlashAttention-3/4's sm90 choice; FA4
 # interface.py _tile_size_bwd_sm90), dQ transposed so its columns split by warpgroup: beside the 64-row tile, 5
 # interleaved rounds on an H100, 16k tokens, full: N=16k 590.5 vs 580.9, 4k 541.0 vs 536.0, 1k 449.4 vs 434.6 (FA4
@@ -283,7 +286,7 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # the warpgroups (shared_dq_staging), ran 451.7/440.5, 418.6/378.6, 341.6/259.9: level at 1k, 1-3% behind at 4k and 16k;
 # with dK first too, 443.4/432.7, 417.9/377.6, 338.3/259.4. Not taken; both stay template options (--twin).
 BWD: dict[int, list[Sm90BwdTile]] = {
-    64: [Sm90BwdTile(128, accepted_spill_bytes=8)],
+    64: [Sm90BwdTile(128, accepted_spill_bytes=8, tma_store_dkv=True)],
     128: [Sm90BwdTile(80, dq_transposed=True, tma_store_dkv=True, unmasked_only=True),
           Sm90BwdTile(64, tma_store_dkv=True)],
     256: [Sm90BwdTile(64, tile_n=64, q_stages=1, split_head_dim=True, dk_before_dq=True)],

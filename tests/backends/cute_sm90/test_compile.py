@@ -303,7 +303,9 @@ FEATURE_BWD = [v for v in either_way(lambda: registered()["cute_sm90"].variants(
 # measured here (stack bytes, causal/full): d=128 softcap 0/8, alibi 0/16, all three 128 (with VARLEN); d=64
 # softcap 72/80, alibi 40, window+softcap+alibi 344 (the 128-row query block leaves no registers for the tanh
 # and slope arithmetic); timed on the H200 they still ran 1.4-1.8x triton_fa2's backward (docs/performance.md).
-FEATURE_BWD_SPILL_BYTES = {64: 344, 128: 128}
+# With dK/dV stored by TMA at d=64 (the table's tile since 2026-12-06) window+softcap+alibi takes 408, full and
+# causal (its GPU tests pass; that kernel's speed was not timed again).
+FEATURE_BWD_SPILL_BYTES = {64: 408, 128: 128}
 
 
 @pytest.mark.parametrize("variant", FEATURE_BWD, ids=[v.name for v in FEATURE_BWD])
