@@ -4,7 +4,9 @@ pair) reached over a grid of problem classes, and the prediction the dispatcher 
 A table is a JSON file in ``dispatch/costs/<arch>.json`` written by ``attnforge tune --costs`` on a GPU
 of that arch (it records the device, date, versions, commit and command). A file is data: it is validated
 when loaded, and a table that does not validate is ignored with a warning (the dispatcher then keeps its
-preference order), never half-read.
+preference order), never half-read. A device table, ``dispatch/costs/<arch>-<device>.json``, holds classes
+measured on one GPU model (its "device", as torch names the GPU) and speaks for that GPU where it measures the
+problem's class; a decision ranks its plans by one table, never by figures of two GPUs (tables_for).
 
 Prediction: the entry of the same plan, mode, dtype class, head dims, causality and GQA-ness whose shape is
 nearest in log2 of (seqlen_q, seqlen_k, batch x heads_q), each within a factor of 2 (entries equally near, as
@@ -83,6 +85,7 @@ class CostTable:
     arch: str
     source: str  # "measured on NVIDIA H200 2026-12-01", said with every estimate
     entries: tuple[Entry, ...]
+    device: str = ""  # the GPU it was measured on, as torch names it
 
     def estimate(self, plan: str, problem: Problem, mode: str) -> Estimate | None:
         """The predicted time of ``plan`` on ``problem`` (None: no entry covers its class)."""
@@ -142,7 +145,7 @@ def parse(doc: dict, where: str) -> CostTable:
         if raw["mode"] not in MODES or not (raw["tflops"] > 0 and math.isfinite(raw["tflops"])):
             raise CostTableError(f"{where}: entry {i}: mode must be one of {MODES} and tflops positive and finite")
         entries.append(Entry(**{f: raw[f] for f in _ENTRY_FIELDS}))
-    return CostTable(doc["arch"], f"measured on {doc['device']} {doc['measured']}", tuple(entries))
+    return CostTable(doc["arch"], f"measured on {doc['device']} {doc['measured']}", tuple(entries), doc["device"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,14 +158,45 @@ def table(arch: str) -> CostTable | None:
     return from_text(text, arch)
 
 
-def from_text(text: str, arch: str) -> CostTable | None:
-    """The table in ``text`` if it validates as ``arch``'s, else None with a warning."""
+@functools.lru_cache(maxsize=None)
+def device_table(arch: str, device: str) -> CostTable | None:
+    """The shipped device table of ``arch`` measured on ``device`` (``dispatch/costs/<arch>-*.json`` whose
+    "device" is ``device``), or None."""
     try:
-        parsed = parse(json.loads(text), f"dispatch/costs/{arch}.json")
+        files = sorted(f for f in resources.files(__package__).joinpath("costs").iterdir()
+                       if f.name.startswith(f"{arch}-") and f.name.endswith(".json"))
+    except (FileNotFoundError, OSError):
+        return None
+    for f in files:
+        found = from_text(f.read_text(encoding="utf-8"), arch, f"dispatch/costs/{f.name}")
+        if found is not None and found.device == device:
+            return found
+    return None
+
+
+def tables_for(problem: Problem, plans: list[str], mode: str) -> tuple[CostTable | None, dict]:
+    """The table a decision ranks ``plans`` by, and its estimates ({plan: Estimate or None}): the device table of
+    the problem's GPU where it estimates any of them (figures of the GPU that runs the call), else the arch
+    table. One table for all plans: figures of two GPUs are never compared."""
+    arch_table = table(problem.device.arch)
+    for t in (device_table(problem.device.arch, problem.device.name), arch_table):
+        if t is None:
+            continue
+        estimates = {plan: t.estimate(plan, problem, mode) for plan in plans}
+        if any(e is not None for e in estimates.values()):
+            return t, estimates
+    return arch_table, {plan: None for plan in plans}
+
+
+def from_text(text: str, arch: str, where: str | None = None) -> CostTable | None:
+    """The table in ``text`` if it validates as ``arch``'s, else None with a warning."""
+    where = where or f"dispatch/costs/{arch}.json"
+    try:
+        parsed = parse(json.loads(text), where)
     except (ValueError, TypeError) as e:
         logger.warning("ignoring the cost table of %s: %s", arch, e)
         return None
     if parsed.arch != arch:
-        logger.warning("ignoring dispatch/costs/%s.json: it is the table of %s", arch, parsed.arch)
+        logger.warning("ignoring %s: it is the table of %s", where, parsed.arch)
         return None
     return parsed

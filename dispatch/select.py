@@ -216,9 +216,12 @@ def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> De
     # a fast forward followed by the last resort's backward (a head dim only the forward has) must not beat a
     # fast pair: plans that run a last-resort backend go after the others, in their order
     eligible.sort(key=lambda n: _runs_last_resort(backends, n, verdicts[n][2]))
-    table = None if forced else cost_model.table(problem.device.arch)
     mode = "fwd+bwd" if problem.needs_grad else "fwd"
-    estimates = {n: table.estimate(plan_name(n, verdicts[n][2]), problem, mode) for n in eligible} if table else {}
+    table, estimates = None, {}
+    if not forced:
+        plans = {n: plan_name(n, verdicts[n][2]) for n in eligible}
+        table, by_plan = cost_model.tables_for(problem, list(plans.values()), mode)
+        estimates = {n: by_plan[plan] for n, plan in plans.items()} if table else {}
     ranked, note = _ranked(eligible, estimates, table)
     name = None
     for candidate in ranked:  # on this machine's device, a variant's first use runs its self-check

@@ -48,6 +48,7 @@ def _priority_order(request, monkeypatch):
         from attnforge.dispatch import costs
 
         monkeypatch.setattr(costs, "table", lambda arch: None)
+        monkeypatch.setattr(costs, "device_table", lambda arch, device: None)
 
 
 @pytest.fixture

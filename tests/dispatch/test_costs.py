@@ -1,6 +1,7 @@
 """The measured cost model: tables are validated data, predictions come from the nearest measured class (or
 none), and the dispatcher ranks eligible plans by them, showing the evidence; forcing still wins."""
 
+import dataclasses
 import json
 from importlib import resources
 from unittest import mock
@@ -31,6 +32,7 @@ def table(monkeypatch):
     def install(*entries):
         t = costs.parse(doc(*entries), "test")
         monkeypatch.setattr(costs, "table", lambda arch: t if arch == "sm90" else None)
+        monkeypatch.setattr(costs, "device_table", lambda arch, device: None)  # this table alone
         select.clear_caches()
         return t
     yield install
@@ -124,9 +126,12 @@ def test_shipped_tables_validate():
     folder = resources.files("attnforge.dispatch").joinpath("costs")
     shipped = [p for p in folder.iterdir() if p.name.endswith(".json")] if folder.is_dir() else []
     for path in shipped:
-        arch = path.name[:-len(".json")]
+        arch, _, device_part = path.name[:-len(".json")].partition("-")  # <arch>.json or <arch>-<device>.json
         t = costs.parse(json.loads(path.read_text()), path.name)
         assert t.arch == arch and t.entries and costs.table(arch) is not None
+        if device_part:  # a device table: found for its device, and measured on that one GPU only
+            assert costs.device_table(arch, t.device) == t
+            assert t.device != costs.table(arch).device
 
 
 def test_the_tuner_writes_a_table_the_dispatcher_reads():
@@ -339,3 +344,41 @@ def test_kv_cache_calls_are_unmeasured(kv_cache):
     d = explain(**shape, kv_cache=kv_cache, page_size=64 if kv_cache == "paged" else 0)
     assert d.forward.backend == "triton_fa2"
     assert {c.backend: c.evidence for c in d.forward.candidates}["triton_fa2"] == "unmeasured", d.forward
+
+
+@pytest.mark.cost_tables
+def test_a_device_table_speaks_for_its_gpu_where_it_measures_the_class():
+    """dispatch/costs/sm90-h100.json (head dims 256 and 192, measured on an H100 after the head-dim-256 backward
+    issued dK before dQ) ranks an H100's d=256 training by the H100's figures: cute_sm90's pair at 16k tokens per
+    sequence there. An H200, and an H100 at a class that table does not measure, rank by the arch table (H200)."""
+    h100 = costs.device_table("sm90", "NVIDIA H100 80GB HBM3")
+    if h100 is None or costs.table("sm90") is None:
+        pytest.skip("no sm90 device table in this build")
+    d = explain(device="H100", head_dim=256, seqlen_q=16384, batch=1, heads=8, needs_grad=True)
+    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "cute_sm90") and not d.fallback
+    assert "measured on NVIDIA H100 80GB HBM3" in d.forward.note
+    assert all("H100" in c.evidence for c in d.forward.candidates if c.evidence.startswith("predicted"))
+    on_h200 = explain(device="H200", head_dim=256, seqlen_q=16384, batch=1, heads=8, needs_grad=True)
+    assert "measured on NVIDIA H200" in on_h200.forward.note
+    d64 = explain(device="H100", head_dim=64, seqlen_q=16384, batch=1, heads=32, needs_grad=True)
+    assert "measured on NVIDIA H200" in d64.forward.note  # the H100 table has no d=64 class
+
+
+def test_a_decision_ranks_by_one_table(monkeypatch):
+    """Where the device table estimates none of a problem's plans, every estimate is the arch table's; where it
+    estimates one, every estimate is its (a plan it lacks is unmeasured, not the other GPU's figure)."""
+    problem = attnforge.Problem(batch=1, heads_q=8, heads_kv=8, seqlen_q=4096, seqlen_k=4096, head_dim=64,
+                                head_dim_v=64, dtype="bf16", device=attnforge.profile("H100"),
+                                mask=attnforge.dispatch.mask.NONE)
+    entry = {"mode": "fwd", "dtype": "bf16", "head_dim": 64, "head_dim_v": 64, "causal": False, "batch": 1,
+             "heads_q": 8, "heads_kv": 8, "seqlen_q": 4096, "seqlen_k": 4096}
+    arch = costs.parse(doc({**entry, "plan": "a", "tflops": 100.0}, {**entry, "plan": "b", "tflops": 200.0}),
+                       "arch")
+    device = dataclasses.replace(costs.parse(doc({**entry, "plan": "a", "tflops": 300.0}), "device"),
+                                 source="measured on the device", device=problem.device.name)
+    monkeypatch.setattr(costs, "table", lambda a: arch)
+    monkeypatch.setattr(costs, "device_table", lambda a, name: device if name == problem.device.name else None)
+    table, estimates = costs.tables_for(problem, ["a", "b"], "fwd")
+    assert table is device and estimates["a"].tflops == 300.0 and estimates["b"] is None
+    table, estimates = costs.tables_for(problem, ["b"], "fwd")
+    assert table is arch and estimates["b"].tflops == 200.0
