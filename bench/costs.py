@@ -160,7 +160,8 @@ def merge_documents(docs: list[dict], where: list[str]) -> dict:
     tables = [costs.parse(doc, name) for doc, name in zip(docs, where)]
     archs = {(t.arch, doc["device"]) for t, doc in zip(tables, docs)}
     if len(archs) != 1:
-        raise costs.CostTableError(f"cannot merge tables of different GPUs: {sorted(archs)}")
+        raise costs.CostTableError(f"cannot merge tables of different GPUs: {sorted(archs)} (a GPU model's own "
+                                   "table ships as dispatch/costs/<arch>-<name>.json, a device table)")
     seen, entries = set(), []
     for doc in docs:
         for entry in doc["entries"]:
