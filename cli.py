@@ -429,7 +429,8 @@ def _tune_costs(args) -> int:
     out = args.out or f"costs-{doc['arch']}.json"
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
-    print(f"wrote {out} ({len(entries)} entries); ship it as dispatch/costs/{doc['arch']}.json")
+    print(f"wrote {out} ({len(entries)} entries); ship it as dispatch/costs/{doc['arch']}.json, or as a table for "
+          f"{doc['device']} alone as dispatch/costs/{doc['arch']}-<name>.json")
     return 0
 
 
