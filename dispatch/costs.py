@@ -194,7 +194,7 @@ def from_text(text: str, arch: str, where: str | None = None) -> CostTable | Non
     try:
         parsed = parse(json.loads(text), where)
     except (ValueError, TypeError) as e:
-        logger.warning("ignoring the cost table of %s: %s", arch, e)
+        logger.warning("ignoring %s: %s", where, e)
         return None
     if parsed.arch != arch:
         logger.warning("ignoring %s: it is the table of %s", where, parsed.arch)

@@ -221,7 +221,7 @@ def decide(problem: Problem, forced: str | None = None, how: str = "auto") -> De
     if not forced:
         plans = {n: plan_name(n, verdicts[n][2]) for n in eligible}
         table, by_plan = cost_model.tables_for(problem, list(plans.values()), mode)
-        estimates = {n: by_plan[plan] for n, plan in plans.items()} if table else {}
+        estimates = {n: by_plan[plan] for n, plan in plans.items()}  # (all None where no table measures them)
     ranked, note = _ranked(eligible, estimates, table)
     name = None
     for candidate in ranked:  # on this machine's device, a variant's first use runs its self-check
