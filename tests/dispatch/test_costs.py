@@ -153,13 +153,14 @@ def test_the_tuner_writes_a_table_the_dispatcher_reads():
 
 @pytest.mark.cost_tables
 def test_the_shipped_h200_table_routes_by_its_measurements():
-    """What dispatch/costs/sm90.json measured on the H200: cuDNN's pair trains fastest at d=256, d=192 and at
-    32 x 512, cute_sm90's pair at d=80 (its padded backward), cute_sm90 serves long forwards (d=96 and d=192 from
-    4k tokens too), sdpa serves 512-token d=96 calls and decode."""
+    """What dispatch/costs/sm90.json measured on the H200: cute_sm90's pair trains fastest at d=256 and d=192 from
+    8k tokens (16k causal: 413 vs cuDNN's 372) and at d=80 (its padded backward), cuDNN's at 32 x 512 causal;
+    cute_sm90 serves long forwards (d=96 and d=192 from 4k tokens too), sdpa serves 512-token d=96 calls and
+    decode."""
     if costs.table("sm90") is None:
         pytest.skip("no sm90 cost table in this build")
     d = explain(device="H200", head_dim=256, seqlen_q=8192, batch=2, heads=8, needs_grad=True)
-    assert (d.forward.backend, d.backward.backend) == ("sdpa", "sdpa") and not d.fallback
+    assert (d.forward.backend, d.backward.backend) == ("cute_sm90", "cute_sm90") and not d.fallback
     assert "measured on NVIDIA H200" in d.forward.note
     assert explain(device="H200", seqlen_q=16384, batch=1).forward.backend == "cute_sm90"
     assert explain(device="H200", head_dim=96, seqlen_q=4096, heads=24, causal=False).forward.backend == "cute_sm90"
@@ -167,7 +168,9 @@ def test_the_shipped_h200_table_routes_by_its_measurements():
     assert explain(device="H200", head_dim=96, seqlen_q=512, batch=32, heads=21).forward.backend == "sdpa"
     train = explain(device="H200", head_dim=80, seqlen_q=4096, batch=4, heads=25, needs_grad=True)
     assert (train.forward.backend, train.backward.backend) == ("cute_sm90", "cute_sm90")
-    train = explain(device="H200", head_dim=192, seqlen_q=4096, batch=4, heads=10, causal=True, needs_grad=True)
+    train = explain(device="H200", head_dim=192, seqlen_q=16384, batch=1, heads=10, causal=True, needs_grad=True)
+    assert (train.forward.backend, train.backward.backend) == ("cute_sm90", "cute_sm90")
+    train = explain(device="H200", head_dim=192, seqlen_q=512, batch=32, heads=10, causal=True, needs_grad=True)
     assert (train.forward.backend, train.backward.backend) == ("sdpa", "sdpa")
     decode = explain(device="H200", seqlen_q=1, seqlen_k=8192, batch=64, heads=32, kv_heads=8, causal=False)
     assert decode.forward.backend == "sdpa"
