@@ -130,6 +130,9 @@ class Sm90BwdTile:
     # step it meets second 65-101 more instructions (its WGMMA descriptors rebuilt with 32-bit adds), so that one
     # should be the rarer, masked step
     unmasked_first: bool = False
+    # K loaded on a barrier of its own ahead of the first query block's Q, and V after that Q (K_FIRST in the
+    # template): the first S^T = K Q^T waits for K and Q only, not for V too (FlashAttention-4's sm90 load order)
+    k_first: bool = False
     # the table serves this tile only to calls without a causal mask or window (masked calls take the next entry):
     # FlashAttention-3 and -4 run head dim 128 on 80-row query blocks without a mask and 64-row ones with it
     # (FlashAttention-4's flash_attn/cute/interface.py, _tile_size_bwd_sm90). Not part of the kernel.
@@ -149,7 +152,7 @@ class Sm90BwdTile:
                                                     (self.ds_key_major, "_dk"), (self.tma_store_dkv, "_ts"),
                                                     (self.dq_transposed, "_dt"), (self.dv_ahead, "_dv"),
                                                     (self.shared_dq_staging, "_sq"), (self.dk_before_dq, "_kq"),
-                                                    (self.unmasked_first, "_uf")) if on)
+                                                    (self.unmasked_first, "_uf"), (self.k_first, "_kf")) if on)
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"o{self.dout_stages}")
         return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_{stages}{options}"
 
@@ -171,7 +174,7 @@ class Sm90BwdTile:
         # buffers, each 1024-byte aligned and a multiple of 1024 bytes
         stats = sum(-(-((stages - 1) * -(-self.tile_m // 32) * 32 + self.tile_m) * 4 // 128) * 128
                     for stages in (self.q_stages, self.dout_stages))
-        head = 8 * (2 + 2 * self.q_stages + 2 * self.dout_stages) + stats
+        head = 8 * (2 * (2 if self.k_first else 1) + 2 * self.q_stages + 2 * self.dout_stages) + stats
         return -(-head // 1024) * 1024 + kv + q_do + ds + dq
 
     def registers_needed(self, head_dim: int) -> int:
@@ -196,7 +199,8 @@ class Sm90BwdTile:
                                                 (self.dv_ahead, ", dV ahead of dS"),
                                                 (self.shared_dq_staging, ", one dQ staging buffer"),
                                                 (self.dk_before_dq, ", dK before dQ"),
-                                                (self.unmasked_first, ", unmasked step first")) if on)
+                                                (self.unmasked_first, ", unmasked step first"),
+                                                (self.k_first, ", K before the first Q")) if on)
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"/{self.dout_stages}")
         return f"{self.tile_m}x{self.tile_n} {stages} {self.consumer_warpgroups} consumer warpgroups{options}"
 

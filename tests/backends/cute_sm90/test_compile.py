@@ -607,3 +607,18 @@ def test_unmasked_first_orders_the_loops_two_step_copies(tmp_path, variant):
     selects = [len(re.findall(r"\bFSEL\b", copy)) for copy in copies]
     masked_copy = 1 if variant.tile.unmasked_first else 0
     assert selects[masked_copy] and not selects[1 - masked_copy], selects
+
+
+
+# k_first, an option benchmarks/sweep_bwd_sm90.py --twin k_first times beside the table's tiles: K and V on two stages
+# of their pipeline, V's waited for in the first step, so each copy of the step carries a barrier wait more
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_k_first_waits_for_v_in_the_first_step(tmp_path, head_dim):
+    tile = bwd_variants.table_tile(head_dim, masked=True)[0]
+    waits = {}
+    for on in (False, True):
+        twin = dataclasses.replace(tile, k_first=on)
+        assert bwd_variants.check(twin, head_dim) == []
+        sass = backward_sass(tmp_path / str(on), Sm90BwdVariant(twin, head_dim, "bf16", True), 0)
+        waits[on] = len(re.findall(r"SYNCS\.PHASECHK\S*TRYWAIT", sass))
+    assert waits[True] > waits[False], waits
