@@ -5,6 +5,7 @@ see no key: dQ 0), large-magnitude scores, the LSE's own gradient, every head di
 deterministic kernel twice, bit for bit; the 80-row transposed-dQ tile with a mask too; the Triton kernels before and
 after it."""
 
+import dataclasses
 import math
 
 import pytest
@@ -128,3 +129,17 @@ def test_row_and_dq_kernels_on_the_gpu(dtype, gen, poisoned_empty):
     acc = 50 * torch.randn(2, 3, 113, 128, generator=gen).to("cuda")
     dq = dq_from_accumulator(acc, q, 0.125)
     assert dq.stride() == q.stride() and torch.equal(dq, (acc.double() * 0.125).to(torch_dtype))
+
+
+# k_first (K loaded ahead of the first query block's Q, V after it, on a barrier of its own), a template option
+# benchmarks/sweep_bwd_sm90.py --twin k_first times: the table's tile of each kernel head dim with it
+K_FIRST = [(d, masked) for d in bwd_variants.KERNEL_HEAD_DIMS for masked in (False, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, causal", K_FIRST, ids=lambda x: str(x))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_k_first_load_order_matches_fp64(shape, head_dim, causal, dtype, gen):
+    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=causal)[0], k_first=True)
+    assert bwd_variants.check(tile, head_dim) == []
+    check_gradients(shape, dtype, head_dim, causal, gen, tile=tile)
