@@ -289,6 +289,9 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # stages with one dO stage (FlashAttention-4's head-dim-256 choice), which fit beside one dQ staging buffer shared by
 # the warpgroups (shared_dq_staging), ran 451.7/440.5, 418.6/378.6, 341.6/259.9: level at 1k, 1-3% behind at 4k and 16k;
 # with dK first too, 443.4/432.7, 417.9/377.6, 338.3/259.4. Not taken; both stay template options (--twin).
+# k_first (K ahead of the first query block's Q, V after it) beside the d=64 and d=128 tiles, 3 interleaved rounds on
+# an H100 (2026-12-06, benchmarks/results/2026-12-06-h100-k-first/): -1.1% to +1.1% at N=1k and 4k, where it should
+# help most; not taken (a template option for --twin).
 BWD: dict[int, list[Sm90BwdTile]] = {
     64: [Sm90BwdTile(128, accepted_spill_bytes=8, tma_store_dkv=True)],
     128: [Sm90BwdTile(80, dq_transposed=True, tma_store_dkv=True, unmasked_only=True),
