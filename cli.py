@@ -183,7 +183,7 @@ def _bench(args) -> int:
         overrides = {k: v for k, v in dict(
             dtypes=args.dtype, head_dims=args.head_dim, seqlens=args.seqlen, tokens=args.tokens, heads=args.heads,
             kv_heads=args.kv_heads, modes=args.mode, impls=args.backends, warmup_ms=args.warmup_ms,
-            rep_ms=args.rep_ms, seed=args.seed, device=args.device,
+            rep_ms=args.rep_ms, rounds=args.rounds, seed=args.seed, device=args.device,
             window=None if args.window_size is None else tuple(args.window_size), softcap=args.softcap,
             sinks=args.sinks or None, alibi=args.alibi or None,
             causal={"both": (False, True), "true": (True,), "false": (False,), None: None}[args.causal],
@@ -533,6 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", help="ratios are against this implementation (default sdpa-flash; sdpa-math on CPU)")
     p.add_argument("--warmup-ms", type=float)
     p.add_argument("--rep-ms", type=float)
+    p.add_argument("--rounds", type=int, help="time the implementations of each configuration in this many "
+                   "interleaved rounds (balanced orders) and keep the median round (default 1: each timed once)")
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="torch device (default cuda if there is one)")
     p.add_argument("--out", help="write the results as JSON here")

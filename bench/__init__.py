@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 
 import torch
 
@@ -29,6 +30,11 @@ class BenchConfig:
     impls: tuple[str, ...] = ("auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "fa4")
     warmup_ms: float = 25.0
     rep_ms: float = 100.0
+    # 1: each implementation timed once, one after another; more: the implementations of a configuration and mode
+    # timed in that many interleaved rounds (measure.interleaved_ms: balanced orders after an untimed pass), each
+    # row's median_ms the median of its rounds' medians, so that what the GPU's clock did while one of them ran
+    # (at the power cap it drifts by several percent from one timing to the next) does not decide a ratio
+    rounds: int = 1
     seed: int = 0
     device: str = "cuda"
     # score features timed in every configuration: a sliding window (left, right; -1 unbounded, FlashAttention's),
@@ -52,6 +58,8 @@ class BenchConfig:
 
         _check_window(self.window)
         attnforge.dispatch.problem.check_softcap(self.softcap)
+        if self.rounds < 1:
+            raise attnforge.InvalidInputError(f"rounds must be at least 1, not {self.rounds}")
 
 
 QUICK = BenchConfig(dtypes=("fp32",), head_dims=(64,), seqlens=(128, 256), tokens=512, heads=2,
@@ -81,17 +89,17 @@ def _flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, mode, features: F
     return 2.0 * batch * heads * pairs * 2 * head_dim * (3.5 if mode == "fwd+bwd" else 1.0)
 
 
-def _measure_one(impl, q, k, v, dout, causal, scale, mode, device, cfg, ref, features):
+def _checked_call(impl, q, k, v, dout, causal, scale, mode, device, ref, features):
+    """(the timed callable, its errors against the reference and peak memory): correctness first, on the same inputs
+    the timing uses."""
     fn = impl.make(causal, scale, features)
     needs_grad = mode == "fwd+bwd"
     q, k, v = (t.detach().requires_grad_(needs_grad) for t in (q, k, v))
-    out = fn(q, k, v)  # correctness first, on the same inputs the timing uses
+    out = fn(q, k, v)
     grads = torch.autograd.grad(out, (q, k, v), dout) if needs_grad else None
     errs = measure.errors(out, grads, *ref(needs_grad))
     call = measure.step(fn, q, k, v, dout, mode)
-    median, p10, p90 = measure.time_ms(call, device, cfg.warmup_ms, cfg.rep_ms)
-    return {"median_ms": median, "p10_ms": p10, "p90_ms": p90, "peak_mem_bytes": measure.peak_mem_bytes(call, device),
-            **errs}
+    return call, {"peak_mem_bytes": measure.peak_mem_bytes(call, device), **errs}
 
 
 def run(cfg: BenchConfig, progress=print, checkpoint=None) -> dict:
@@ -126,49 +134,97 @@ def run(cfg: BenchConfig, progress=print, checkpoint=None) -> dict:
 
         progress(f"[{n}/{len(grid)}] {dtype_name} d={head_dim} seqlen={seqlen} batch={batch} heads={heads}/{kv_heads} "
                  f"{'causal' if causal else 'full'}{measure.describe_features(features)}")
-        for mode, name in itertools.product(cfg.modes, cfg.impls):
-            impl = known[name]
-            row = {"impl": name, "dtype": dtype_name, "batch": batch, "heads": heads, "kv_heads": kv_heads,
-                   "seqlen_q": seqlen, "seqlen_k": seqlen, "head_dim": head_dim, "head_dim_v": head_dim,
-                   "causal": causal, "dropout_p": 0.0, "mode": mode, "status": "ok", "reason": None,
-                   "median_ms": None, "p10_ms": None, "p90_ms": None, "tflops": None, "peak_mem_bytes": None,
-                   "out_error": None, "grad_error": None, "grad_errors": None, "decision": None,
-                   "window": list(features.window), "softcap": features.softcap, "sinks": features.sinks is not None,
-                   "alibi": features.alibi_slopes is not None}
-            why = impl.why_not(device, dtype)
-            lacking = sorted(features.names() - impl.features)
-            if lacking and not why:
-                why = f"{impl.summary} has no {', '.join(lacking)} here"
-            if why:
-                unavailable[name] = why
-                results.append({**row, "status": "unavailable", "reason": why})
-                continue
-            if impl.is_attnforge:
-                decision = attnforge.explain(q, k, v, layout="bshd", causal=causal, needs_grad=mode == "fwd+bwd",
-                                             backend=impl.attnforge_backend, window_size=features.window,
-                                             softcap=features.softcap, sinks=features.sinks is not None,
-                                             alibi=features.alibi_slopes is not None)
-                row["decision"] = decision.to_dict()
-                if not decision.ok:
-                    results.append({**row, "status": "unsupported",
-                                    "reason": f"attnforge cannot serve it: {str(decision).splitlines()[0]}"})
-                    continue
-            try:
-                with impl.context():
-                    row.update(_measure_one(impl, q, k, v, dout, causal, scale, mode, device, cfg, ref, features))
-                    if impl.reports_decision and attnforge.last_decision() is not None:
-                        row["decision"] = attnforge.last_decision().to_dict()
-                row["tflops"] = _flops(batch, heads, seqlen, seqlen, head_dim, causal, mode, features) / (
-                    row["median_ms"] * 1e-3) / 1e12
-            except Exception as exc:  # a peer that refuses a config is a result, not a crash
-                row.update(status="error", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300])
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-            results.append(row)
+        for mode in cfg.modes:
+            rows, calls, contexts = {}, {}, {}
+            for name in cfg.impls:
+                row, call = _checked_row(known[name], name, mode, dtype_name, q, k, v, dout, causal, scale, device,
+                                         ref, features, unavailable)
+                rows[name] = row
+                if call is not None and cfg.rounds == 1:  # timed right after its check
+                    _time_row(row, lambda: dict(zip(("median_ms", "p10_ms", "p90_ms"), measure.time_ms(
+                        call, device, cfg.warmup_ms, cfg.rep_ms))), known[name].context)
+                elif call is not None:
+                    calls[name], contexts[name] = call, known[name].context
+            if calls:  # cfg.rounds > 1: every checked implementation, in interleaved rounds
+                _time_rounds(rows, calls, contexts, device, cfg)
+            for row in rows.values():
+                if row["status"] == "ok" and row["median_ms"] is not None:
+                    row["tflops"] = _flops(batch, heads, seqlen, seqlen, head_dim, causal, mode, features) / (
+                        row["median_ms"] * 1e-3) / 1e12
+            results.extend(rows.values())
         if checkpoint is not None:
             checkpoint(_report(cfg, env, unavailable, results))
     env["gpu_state_after"] = measure.gpu_state(device)
     return _report(cfg, env, unavailable, results)
+
+
+def _time_row(row: dict, measure_fields, context) -> None:
+    """``row`` updated with ``measure_fields()`` run inside ``context()``; a failure is the row's error, not the
+    run's."""
+    try:
+        with context():
+            row.update(measure_fields())
+    except Exception as exc:  # a peer that refuses a config is a result, not a crash
+        _failed([row], exc)
+
+
+def _time_rounds(rows: dict, calls: dict, contexts: dict, device, cfg) -> None:
+    """The rows of ``calls`` updated with their timing in cfg.rounds interleaved rounds: the median of the rounds'
+    medians, the fastest and slowest round as p10_ms and p90_ms, and every round's median (round_ms)."""
+    try:
+        rounds = measure.interleaved_ms(calls, cfg.rounds, cfg.warmup_ms, cfg.rep_ms, contexts, device)
+    except Exception as exc:  # one that fails in a later round fails the rounds of all (they share them)
+        _failed([rows[name] for name in calls], exc)
+        return
+    for name, ms in rounds.items():
+        rows[name].update(median_ms=statistics.median(ms), p10_ms=min(ms), p90_ms=max(ms), round_ms=ms)
+
+
+def _failed(rows: list, exc: Exception) -> None:
+    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+    for row in rows:
+        row.update(status="error", reason=reason)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _checked_row(impl, name, mode, dtype_name, q, k, v, dout, causal, scale, device, ref, features, unavailable):
+    """(the result row of ``impl`` for this configuration and mode without its timing, and its checked timed
+    callable; None where it is unavailable, unsupported or failed its check, which the row then says)."""
+    batch, seqlen, heads, head_dim = q.shape
+    row = {"impl": name, "dtype": dtype_name, "batch": batch, "heads": heads, "kv_heads": k.shape[2],
+           "seqlen_q": seqlen, "seqlen_k": seqlen, "head_dim": head_dim, "head_dim_v": head_dim,
+           "causal": causal, "dropout_p": 0.0, "mode": mode, "status": "ok", "reason": None,
+           "median_ms": None, "p10_ms": None, "p90_ms": None, "tflops": None, "peak_mem_bytes": None,
+           "out_error": None, "grad_error": None, "grad_errors": None, "decision": None,
+           "window": list(features.window), "softcap": features.softcap, "sinks": features.sinks is not None,
+           "alibi": features.alibi_slopes is not None}
+    why = impl.why_not(device, q.dtype)
+    lacking = sorted(features.names() - impl.features)
+    if lacking and not why:
+        why = f"{impl.summary} has no {', '.join(lacking)} here"
+    if why:
+        unavailable[name] = why
+        return {**row, "status": "unavailable", "reason": why}, None
+    if impl.is_attnforge:
+        decision = attnforge.explain(q, k, v, layout="bshd", causal=causal, needs_grad=mode == "fwd+bwd",
+                                     backend=impl.attnforge_backend, window_size=features.window,
+                                     softcap=features.softcap, sinks=features.sinks is not None,
+                                     alibi=features.alibi_slopes is not None)
+        row["decision"] = decision.to_dict()
+        if not decision.ok:
+            return {**row, "status": "unsupported",
+                    "reason": f"attnforge cannot serve it: {str(decision).splitlines()[0]}"}, None
+    call = None
+
+    def check():
+        nonlocal call
+        call, fields = _checked_call(impl, q, k, v, dout, causal, scale, mode, device, ref, features)
+        if impl.reports_decision and attnforge.last_decision() is not None:
+            fields["decision"] = attnforge.last_decision().to_dict()
+        return fields
+    _time_row(row, check, impl.context)
+    return row, (call if row["status"] == "ok" else None)
 
 
 def _report(cfg, env, unavailable, results) -> dict:

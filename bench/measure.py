@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import platform
@@ -88,7 +89,8 @@ def round_count(runners: int, rounds: int | None = None) -> int:
 
 
 def interleaved_ms(runners: dict, rounds: int | None = None, warmup_ms: float = 25,
-                   rep_ms: float = 200) -> dict[str, list[float]]:
+                   rep_ms: float = 200, contexts: dict | None = None,
+                   device: torch.device | None = None) -> dict[str, list[float]]:
     """CUDA runners timed in rounds, each once per round (time_ms's median), in balanced_orders (``rounds`` None:
     all of them, the full balance): {name: [ms, one per round]}. An untimed pass over every runner comes first, so
     that the first runner timed follows the same kind of work as the others. What a runner follows matters on the
@@ -98,15 +100,22 @@ def interleaved_ms(runners: dict, rounds: int | None = None, warmup_ms: float = 
     later in the same rounds; rotated and every other round reversed, the first runner opened two rounds of three,
     and attnforge's automatic choice measured 5-6% below the same kernel forced in two rows; in two rounds of the
     balanced orders of three runners, sdpa followed triton_fa2 in both, and `attnforge tune --costs` measured its
-    d=256 forwards 3-5% above what the checks found: benchmarks/results/2026-12-03-h200-retune/.)"""
-    names, cuda = list(runners), torch.device("cuda")
+    d=256 forwards 3-5% above what the checks found: benchmarks/results/2026-12-03-h200-retune/.) ``contexts``: a
+    context factory by runner name, entered around each of that runner's timings; ``device``: default cuda."""
+    names, device = list(runners), device or torch.device("cuda")
+    contexts = contexts or {}
+
+    def timed(name: str, warmup: float, rep: float) -> float:
+        with contexts.get(name, contextlib.nullcontext)():  # (a runner's context: entered around its timing only)
+            return time_ms(runners[name], device, warmup, rep)[0]
+
     for name in names:
-        time_ms(runners[name], cuda, warmup_ms, warmup_ms)
+        timed(name, warmup_ms, warmup_ms)
     times = {name: [] for name in names}
     orders = balanced_orders(len(names))
     for r in range(round_count(len(names), rounds)):
         for i in orders[r % len(orders)]:
-            times[names[i]].append(time_ms(runners[names[i]], cuda, warmup_ms, rep_ms)[0])
+            times[names[i]].append(timed(names[i], warmup_ms, rep_ms))
     return times
 
 

@@ -19,6 +19,10 @@ def table(report: dict, baseline: str) -> str:
     """One block per configuration, each implementation with its ratio to ``baseline`` in that run."""
     lines = [f"{report['environment']['device']['name']}  torch {report['environment']['torch']}  "
              f"attnforge {report['environment']['attnforge']}  (TFLOP/s: {report['settings']['flop_formula']})"]
+    rounds = report["settings"]["config"].get("rounds", 1)
+    if rounds > 1:
+        lines.append(f"median ms: the median of {rounds} interleaved rounds (balanced orders), each a median of "
+                     "CUDA-event timings")
     configs: dict[tuple, list[dict]] = {}
     for row in report["results"]:
         key = tuple(row[k] for k in CONFIG_KEYS) + tuple(_hashable(row.get(k)) for k in FEATURE_KEYS)

@@ -1,3 +1,4 @@
+import contextlib
 import json
 import sys
 
@@ -61,6 +62,26 @@ def test_unavailable_peers_are_listed_with_why(tmp_path, capsys):
 def test_bad_bench_arguments(capsys):
     assert main(["bench", "--quick", "--backends", "flash9"]) == 2
     assert "unknown implementation(s) flash9" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--rounds", "0"]) == 2
+    assert "rounds must be at least 1, not 0" in capsys.readouterr().err
+
+
+def test_rounds_time_the_implementations_of_a_configuration_in_interleaved_rounds(tmp_path, capsys):
+    """--rounds 3: every checked implementation of a configuration and mode timed once a round; the row keeps the
+    median round, the fastest and slowest as p10/p90 and each round's figure."""
+    out = tmp_path / "r.json"
+    assert main(["bench", "--quick", "--rep-ms", "2", "--warmup-ms", "1", "--seqlen", "64", "--causal", "true",
+                 "--backends", "auto,reference,sdpa-math,fa4", "--rounds", "3", "--out", str(out)]) == 0
+    assert "the median of 3 interleaved rounds" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["settings"]["config"]["rounds"] == 3
+    timed = [r for r in result["results"] if r["status"] == "ok"]
+    assert len(timed) == 2 * 3 and {r["impl"] for r in result["results"] if r["status"] != "ok"} == {"fa4"}
+    for row in timed:
+        assert set(row) == ROW_KEYS | {"round_ms"} and len(row["round_ms"]) == 3, row
+        assert row["median_ms"] == sorted(row["round_ms"])[1]
+        assert (row["p10_ms"], row["p90_ms"]) == (min(row["round_ms"]), max(row["round_ms"])) and row["tflops"] > 0
+        assert 0 < row["out_error"] < 1e-5
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
@@ -95,6 +116,19 @@ def test_interleaved_rounds_time_every_runner_once_per_round_after_an_untimed_pa
                      for name in "abc"}
     order.clear()
     assert len(measure.interleaved_ms(runners)["a"]) == 6  # rounds=None: the whole design, 2 x 3 rounds
+    order.clear()
+    entered = []
+
+    def context(name):  # a runner's context holds around each of its timings, and only its own
+        @contextlib.contextmanager
+        def enter():
+            entered.append(name)
+            yield
+            entered.append("/" + name)
+        return enter
+    runners = {name: (lambda name=name: order.append(entered[-1]) or 1.0) for name in "ab"}
+    measure.interleaved_ms(runners, rounds=2, contexts={"a": context("a")})
+    assert order == ["a", "/a", "a", "/a", "/a", "a"] and entered == ["a", "/a"] * 3  # (rounds: ab, ba)
     assert (measure.round_count(3), measure.round_count(4), measure.round_count(3, 4)) == (6, 4, 4)
 
 
