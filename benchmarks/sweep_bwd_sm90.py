@@ -181,7 +181,8 @@ def main() -> None:
                 times = measure.interleaved_ms(runners, args.rounds)
                 flop = costs.flop_count(b, h, n, n, d, d, causal, "fwd+bwd")
                 row = {"head_dim": d, "seqlen": n, "batch": b, "heads": h, "causal": causal,
-                       "ms": {name: statistics.median(t) for name, t in times.items()}}
+                       "ms": {name: statistics.median(t) for name, t in times.items()},
+                       "round_ms": times}  # every round: at a power cap one round can sit 6-14% off the others
                 row["tflops"] = {name: round(flop / (ms * 1e-3) / 1e12, 1) for name, ms in row["ms"].items()}
                 results.append(row)
                 print(json.dumps({k: row[k] for k in ("head_dim", "seqlen", "causal", "tflops")}), flush=True)
