@@ -142,7 +142,7 @@ def run(cfg: BenchConfig, progress=print, checkpoint=None) -> dict:
                 rows[name] = row
                 if call is not None and cfg.rounds == 1:  # timed right after its check
                     _time_row(row, lambda: dict(zip(("median_ms", "p10_ms", "p90_ms"), measure.time_ms(
-                        call, device, cfg.warmup_ms, cfg.rep_ms))), known[name].context)
+                        call, device, cfg.warmup_ms, cfg.rep_ms))), known[name].context, device)
                 elif call is not None:
                     calls[name], contexts[name] = call, known[name].context
             if calls:  # cfg.rounds > 1: every checked implementation, in interleaved rounds
@@ -158,14 +158,14 @@ def run(cfg: BenchConfig, progress=print, checkpoint=None) -> dict:
     return _report(cfg, env, unavailable, results)
 
 
-def _time_row(row: dict, measure_fields, context) -> None:
+def _time_row(row: dict, measure_fields, context, device) -> None:
     """``row`` updated with ``measure_fields()`` run inside ``context()``; a failure is the row's error, not the
     run's."""
     try:
         with context():
             row.update(measure_fields())
     except Exception as exc:  # a peer that refuses a config is a result, not a crash
-        _failed([row], exc)
+        _failed([row], exc, device)
 
 
 def _time_rounds(rows: dict, calls: dict, contexts: dict, device, cfg) -> None:
@@ -174,18 +174,18 @@ def _time_rounds(rows: dict, calls: dict, contexts: dict, device, cfg) -> None:
     try:
         rounds = measure.interleaved_ms(calls, cfg.rounds, cfg.warmup_ms, cfg.rep_ms, contexts, device)
     except Exception as exc:  # one that fails in a later round fails the rounds of all (they share them)
-        _failed([rows[name] for name in calls], exc)
+        _failed([rows[name] for name in calls], exc, device)
         return
     for name, ms in rounds.items():
         rows[name].update(median_ms=statistics.median(ms), p10_ms=min(ms), p90_ms=max(ms), round_ms=ms)
 
 
-def _failed(rows: list, exc: Exception) -> None:
+def _failed(rows: list, exc: Exception, device: torch.device) -> None:
     reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
     for row in rows:
         row.update(status="error", reason=reason)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _checked_row(impl, name, mode, dtype_name, q, k, v, dout, causal, scale, device, ref, features, unavailable):
@@ -215,16 +215,16 @@ def _checked_row(impl, name, mode, dtype_name, q, k, v, dout, causal, scale, dev
         if not decision.ok:
             return {**row, "status": "unsupported",
                     "reason": f"attnforge cannot serve it: {str(decision).splitlines()[0]}"}, None
-    call = None
-
-    def check():
-        nonlocal call
-        call, fields = _checked_call(impl, q, k, v, dout, causal, scale, mode, device, ref, features)
-        if impl.reports_decision and attnforge.last_decision() is not None:
-            fields["decision"] = attnforge.last_decision().to_dict()
-        return fields
-    _time_row(row, check, impl.context)
-    return row, (call if row["status"] == "ok" else None)
+    try:
+        with impl.context():
+            call, fields = _checked_call(impl, q, k, v, dout, causal, scale, mode, device, ref, features)
+            if impl.reports_decision and attnforge.last_decision() is not None:
+                fields["decision"] = attnforge.last_decision().to_dict()
+    except Exception as exc:  # a peer that refuses a config is a result, not a crash
+        _failed([row], exc, device)
+        return row, None
+    row.update(fields)
+    return row, call
 
 
 def _report(cfg, env, unavailable, results) -> dict:

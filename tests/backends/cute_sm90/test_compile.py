@@ -609,7 +609,6 @@ def test_unmasked_first_orders_the_loops_two_step_copies(tmp_path, variant):
     assert selects[masked_copy] and not selects[1 - masked_copy], selects
 
 
-
 # k_first, an option benchmarks/sweep_bwd_sm90.py --twin k_first times beside the table's tiles: K and V on two stages
 # of their pipeline, V's waited for in the first step, so each copy of the step carries a barrier wait more
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
