@@ -62,10 +62,11 @@ class Sm90BwdVariant(CuteVariant):
 
 
 def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False, varlen: bool = False,
-                   softcap: bool = False, alibi: bool = False):
+                   softcap: bool = False, alibi: bool = False, accumulator_head_dim: int | None = None):
     """Fake arguments for cute.compile, in __call__'s order: q, k, v, dout (batch, heads, seqlen, head_dim) with
     symbolic sizes and 16-byte aligned strides, the LSE (log2) and delta (batch, heads, seqlen_q padded), the
-    fp32 dQ accumulator (batch, heads, seqlen_q, head_dim), the int32 dQ order counts (batch, heads, query
+    fp32 dQ accumulator (batch, heads, seqlen_q, ``accumulator_head_dim``: default head_dim; a FLAT_DQ kernel's
+    holds whole query blocks at its own head dim, FlatDqOrder), the int32 dQ order counts (batch, heads, query
     blocks; read by the deterministic kernels only), dk, dv, scale_log2, scale, with ``window`` the Int32 window
     bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, with ``alibi`` the fp32 slopes (batch, or
     the sequences with ``varlen``; heads_q), with ``varlen`` the int32 offsets cu_seqlens_q and cu_seqlens_k (batch + 1,) and the key
@@ -89,7 +90,7 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False, v
     q, dout = tensor(element, batch, heads_q, seqlen_q, head_dim), tensor(element, batch, heads_q, seqlen_q, head_dim)
     k, v = tensor(element, batch, heads_kv, seqlen_k, head_dim), tensor(element, batch, heads_kv, seqlen_k, head_dim)
     dk, dv = tensor(element, batch, heads_kv, seqlen_k, head_dim), tensor(element, batch, heads_kv, seqlen_k, head_dim)
-    dq_accum = tensor(cutlass.Float32, batch, heads_q, seqlen_q, head_dim)
+    dq_accum = tensor(cutlass.Float32, batch, heads_q, seqlen_q, accumulator_head_dim or head_dim)
     dq_order = make_fake_tensor(cutlass.Int32, (batch, heads_q, q_blocks),
                                 (cute_dsl.sym_int64(), cute_dsl.sym_int64(), 1), assumed_align=4)
     bounds = fake_scores(batch, heads_q, window=window, softcap=softcap, alibi=alibi, varlen=varlen)
@@ -105,7 +106,9 @@ def compile_arguments(module, dtype: str, causal: bool, arch: str):
                                                             window=getattr(module, "WINDOW", False),
                                                             varlen=getattr(module, "VARLEN", False),
                                                             softcap=getattr(module, "SOFTCAP", False),
-                                                            alibi=getattr(module, "ALIBI", False))
+                                                            alibi=getattr(module, "ALIBI", False),
+                                                            accumulator_head_dim=module.HEAD_DIM if getattr(
+                                                                module, "FLAT_DQ", False) else None)
 
 
 def row_statistics(out, dout, lse, dlse, tile_m: int, use_triton: bool | None = None, dq_accum=None):
@@ -178,6 +181,83 @@ def dq_from_accumulator(acc: torch.Tensor, q: torch.Tensor, scale: float, use_tr
     return dq
 
 
+@dataclasses.dataclass(frozen=True)
+class FlatDqOrder:
+    """Where a FLAT_DQ kernel (the tile option flat_dq) leaves each element of a query block's dQ in its fp32
+    accumulator: the block's ``tile_m`` rows x ``width`` columns (the kernel's head dim) are ``warpgroups`` shares of
+    one 64 x N WGMMA accumulator tile each, split by rows (64 each), by columns, or with dQ transposed (dQ^T's tile:
+    64 head-dim columns along M, the block's rows along N). A share is stored in its threads' register order: the
+    accumulator value (a, b, j) of thread t = 32 w + l, lane l of warp w, is element (16 w + l // 4 + 8 b,
+    8 j + 2 (l % 4) + a) of the tile (the sm90 WGMMA accumulator layout), its register index i = a + 2 b + 4 j, and
+    it lies at 512 (i // 4) + 4 t + i % 4 of the share (the template's FLAT_DQ)."""
+
+    tile_m: int
+    width: int
+    warpgroups: int
+    split: str  # "rows", "columns" or "transposed"
+
+    SPLITS = ("rows", "columns", "transposed")
+
+    @classmethod
+    def of(cls, tile: bwd_variants.Sm90BwdTile, head_dim: int) -> "FlatDqOrder":
+        """The order of ``tile``'s kernel for ``head_dim`` (the template's DQ_SPLIT_ROWS and DQ_TRANSPOSED)."""
+        width, warpgroups = bwd_variants.kernel_head_dim(head_dim), tile.consumer_warpgroups
+        if tile.dq_transposed:
+            split = "transposed"
+        elif tile.tile_m == 64 * warpgroups and not tile.split_head_dim:
+            split = "rows"
+        else:
+            split = "columns"
+        return cls(tile.tile_m, width, warpgroups, split)
+
+    def offsets(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """The offset within its block's tile_m * width elements of element (``rows``, ``cols``) of the block
+        (integer tensors that broadcast; rows < tile_m, cols < width). The same arithmetic as scale_flat_dq's."""
+        if self.split == "rows":
+            share, m, n, along_n = rows // 64, rows % 64, cols, self.width
+        elif self.split == "columns":
+            along_n = self.width // self.warpgroups
+            share, m, n = cols // along_n, rows, cols % along_n
+        else:
+            share, m, n, along_n = cols // 64, cols % 64, rows, self.tile_m
+        return (share * 64 * along_n + 512 * (n // 8) + 128 * (m // 16) + 16 * (m % 8) + 4 * ((n % 8) // 2)
+                + 2 * ((m // 8) % 2) + n % 2)
+
+    def accumulator(self, q: torch.Tensor) -> torch.Tensor:
+        """A zeroed accumulator for q's (batch, heads, seqlen, head_dim): its rows padded to whole query blocks, at
+        the kernel's head dim."""
+        b, h, n, _ = q.shape
+        padded = math.ceil(max(n, 1) / self.tile_m) * self.tile_m
+        return torch.zeros((b, h, padded, self.width), dtype=torch.float32, device=q.device)
+
+    def constexprs(self) -> dict:
+        """scale_flat_dq's constexprs for this order."""
+        return {"TILE_M": self.tile_m, "WIDTH": self.width, "SPLIT": self.SPLITS.index(self.split),
+                "WARPGROUPS": self.warpgroups}
+
+
+def dq_from_flat_accumulator(acc: torch.Tensor, q: torch.Tensor, scale: float, order: FlatDqOrder,
+                             use_triton: bool | None = None):
+    """dQ = scale * the FLAT_DQ kernel's accumulator ``acc`` (FlatDqOrder.accumulator's shape) in q's dtype, its
+    order undone: one Triton kernel on CUDA (``use_triton`` forces it), torch gathers elsewhere."""
+    b, h, n, d = q.shape
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if not (acc.is_cuda if use_triton is None else use_triton):
+        rows = torch.arange(acc.shape[2], device=acc.device)
+        cols = torch.arange(order.width, device=acc.device)
+        index = (rows // order.tile_m * order.tile_m * order.width)[:, None] + order.offsets(
+            (rows % order.tile_m)[:, None], cols[None, :])
+        gathered = acc.reshape(b, h, -1)[..., index.reshape(-1)].reshape(acc.shape)
+        return dq.copy_(gathered[:, :, :n, :d] * scale)
+    from . import bwd_rows_kernel as k
+
+    if dq.numel():
+        launch(k.scale_flat_dq, (-(-n // k.BLOCK_ROWS), b * h),
+               (acc, dq, scale, n, acc.shape[2], h, *_units(dq)), {**_dims(d), **order.constexprs()},
+               k.NUM_WARPS, k.NUM_STAGES, dtype_name=dtype_name(q.dtype))
+    return dq
+
+
 def _units(x: torch.Tensor) -> tuple[int, int, int]:
     """The batch, head and row strides of a TMA-ready 16-bit (batch, heads, seqlen, head_dim) tensor in 16-byte
     units, as bwd_rows_kernel takes them."""
@@ -221,8 +301,12 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     dq_scale = scale
     q, scale = nonnegative_scale(q, scale)
     q, k, v, dout = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(dout)
-    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by row_statistics
-    lse2, delta = row_statistics(out, dout, lse, dlse, variant.tile.tile_m, dq_accum=dq_accum)
+    flat = FlatDqOrder.of(variant.tile, q.shape[-1]) if variant.tile.flat_dq else None
+    if flat is not None:
+        dq_accum = flat.accumulator(q)
+    else:
+        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by row_statistics
+    lse2, delta = row_statistics(out, dout, lse, dlse, variant.tile.tile_m, dq_accum=None if flat else dq_accum)
     # deterministic: how many key blocks have added into each query block's dQ (else unread: one per head)
     blocks = lse2.shape[-1] // variant.tile.tile_m if variant.deterministic else 1
     dq_order = torch.zeros((*q.shape[:2], blocks), dtype=torch.int32, device=q.device)
@@ -235,4 +319,6 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
         bounds = (*bounds, packed.cu_seqlens_q, packed.cu_seqlens_k, tiles)
         lse2, delta = spread_rows(lse2, delta, *packed_rows(bounds_q, variant.tile.tile_m, q.device))
     variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dq_order, dk, dv, scale_log2, scale, *bounds)
+    if flat is not None:
+        return dq_from_flat_accumulator(dq_accum, q, dq_scale, flat), dk, dv
     return dq_from_accumulator(dq_accum, q, dq_scale), dk, dv

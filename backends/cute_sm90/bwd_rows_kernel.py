@@ -90,3 +90,32 @@ def scale_dq(acc_ptr, dq_ptr, scale, seqlen, heads, stride_b, stride_h, stride_n
     dst = (dq_ptr + (batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
                      + rows.to(tl.int64)[:, None] * stride_n) * 8 + dims[None, :])
     tl.store(dst, (acc * scale).to(dq_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=tile)
+
+
+@triton.jit
+def scale_flat_dq(acc_ptr, dq_ptr, scale, seqlen, padded, heads, stride_b, stride_h, stride_n,
+                  BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, TILE_M: tl.constexpr,
+                  WIDTH: tl.constexpr, SPLIT: tl.constexpr, WARPGROUPS: tl.constexpr):
+    """scale_dq for a FLAT_DQ kernel's accumulator: contiguous (batch, heads, padded, WIDTH) fp32, each query block of
+    TILE_M rows in the order backward.FlatDqOrder describes (SPLIT 0: shares of 64 rows, 1: of WIDTH // WARPGROUPS
+    columns, 2: transposed, 64 columns each), read back by gathers."""
+    pid_rows, pid_bh = tl.program_id(0), tl.program_id(1)
+    rows = pid_rows * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    dims = tl.arange(0, D)
+    batch, head = pid_bh // heads, pid_bh % heads
+    tile = (rows[:, None] < seqlen) & (dims[None, :] < HEAD_DIM)
+    r, c = (rows % TILE_M)[:, None], dims[None, :]
+    if SPLIT == 0:
+        share, m, n, along_n = r // 64, r % 64, c, WIDTH
+    elif SPLIT == 1:
+        along_n = WIDTH // WARPGROUPS
+        share, m, n = c // along_n, r, c % along_n
+    else:
+        share, m, n, along_n = c // 64, c % 64, r, TILE_M
+    offset = (share * 64 * along_n + 512 * (n // 8) + 128 * (m // 16) + 16 * (m % 8) + 4 * ((n % 8) // 2)
+              + 2 * ((m // 8) % 2) + n % 2)
+    block = (pid_bh.to(tl.int64) * padded + (rows // TILE_M * TILE_M).to(tl.int64)) * WIDTH
+    acc = tl.load(acc_ptr + block[:, None] + offset, mask=tile, other=0.0)
+    dst = (dq_ptr + (batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
+                     + rows.to(tl.int64)[:, None] * stride_n) * 8 + dims[None, :])
+    tl.store(dst, (acc * scale).to(dq_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=tile)

@@ -133,6 +133,10 @@ class Sm90BwdTile:
     # K loaded on a barrier of its own ahead of the first query block's Q, and V after that Q (K_FIRST in the
     # template): the first S^T = K Q^T waits for K and Q only, not for V too (FlashAttention-4's sm90 load order)
     k_first: bool = False
+    # dQ staged flat in the accumulator's register order (128-bit stores, no swizzle) and added by a 1-D bulk
+    # reduce-add into an accumulator padded to whole query blocks, whose order the dQ conversion undoes (FLAT_DQ in
+    # the template; FlashAttention-4's sm90 dQ path); not for packed batches
+    flat_dq: bool = False
     # the table serves this tile only to calls without a causal mask or window (masked calls take the next entry):
     # FlashAttention-3 and -4 run head dim 128 on 80-row query blocks without a mask and 64-row ones with it
     # (FlashAttention-4's flash_attn/cute/interface.py, _tile_size_bwd_sm90). Not part of the kernel.
@@ -152,7 +156,8 @@ class Sm90BwdTile:
                                                     (self.ds_key_major, "_dk"), (self.tma_store_dkv, "_ts"),
                                                     (self.dq_transposed, "_dt"), (self.dv_ahead, "_dv"),
                                                     (self.shared_dq_staging, "_sq"), (self.dk_before_dq, "_kq"),
-                                                    (self.unmasked_first, "_uf"), (self.k_first, "_kf")) if on)
+                                                    (self.unmasked_first, "_uf"), (self.k_first, "_kf"),
+                                                    (self.flat_dq, "_fq")) if on)
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"o{self.dout_stages}")
         return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_{stages}{options}"
 
@@ -200,7 +205,8 @@ class Sm90BwdTile:
                                                 (self.shared_dq_staging, ", one dQ staging buffer"),
                                                 (self.dk_before_dq, ", dK before dQ"),
                                                 (self.unmasked_first, ", unmasked step first"),
-                                                (self.k_first, ", K before the first Q")) if on)
+                                                (self.k_first, ", K before the first Q"),
+                                                (self.flat_dq, ", dQ staged flat")) if on)
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"/{self.dout_stages}")
         return f"{self.tile_m}x{self.tile_n} {stages} {self.consumer_warpgroups} consumer warpgroups{options}"
 
@@ -246,6 +252,9 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
     elif tile.tile_m not in (64, 128):
         reasons.append(f"tile_m {tile.tile_m} is not 64 or 128 (dQ splits by 64-row warpgroups or by columns; "
                        "dq_transposed takes others)")
+    if tile.flat_dq and not tile.dq_transposed and tile.tile_m not in (64, 64 * tile.consumer_warpgroups):
+        reasons.append(f"flat_dq stages each warpgroup's dQ as one 64-row WGMMA tile: tile_m {tile.tile_m} gives a "
+                       "warpgroup more rows")
     if tile.tile_m == 64 and head_dim // tile.consumer_warpgroups not in (64, 128):
         reasons.append(f"tile_m 64 splits dQ's {head_dim} columns into {head_dim // tile.consumer_warpgroups}, "
                        "not a 128-byte swizzle width")
@@ -336,4 +345,8 @@ def feature_reasons(tile: Sm90BwdTile, window: bool, varlen: bool, softcap: bool
     """Why ``tile`` cannot serve a backward with these features (Sm90BwdVariant's flags): empty unless it is the
     head-dim-256 tile while its feature forms are not served (SPLIT_HEAD_DIM_FEATURES_SERVED)."""
     unserved = tile.split_head_dim and not SPLIT_HEAD_DIM_FEATURES_SERVED
-    return [SPLIT_HEAD_DIM_FEATURES_REASON] if unserved and (window or varlen or softcap or alibi) else []
+    reasons = [SPLIT_HEAD_DIM_FEATURES_REASON] if unserved and (window or varlen or softcap or alibi) else []
+    if tile.flat_dq and varlen:
+        reasons.append(f"the {tile.describe()} tile adds dQ into whole query blocks, which a packed batch's "
+                       "accumulator does not have")
+    return reasons

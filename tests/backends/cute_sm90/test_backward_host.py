@@ -159,3 +159,76 @@ def test_a_forced_training_call_shows_its_backward_in_the_decision():
 def test_row_and_dq_kernels_in_the_interpreter():
     """The Triton kernels before and after the backward kernel (interpreter/test_bwd_rows_interpreted.py)."""
     run_interpreter_tests(pathlib.Path(__file__).parent / "interpreter" / "test_bwd_rows_interpreted.py")
+
+
+def flat_tiles():
+    """Each kernel head dim's table tiles with flat_dq, those its check passes (one per way of splitting dQ)."""
+    tiles = [(dataclasses.replace(tile, flat_dq=True), d) for d, table in bwd_variants.BWD.items() for tile in table]
+    return [(tile, d) for tile, d in tiles if not bwd_variants.check(tile, d)]
+
+
+def wgmma_share_order(order):
+    """FlatDqOrder's map built the long way, thread by thread from the sm90 WGMMA accumulator layout (lane l of warp w
+    holds rows 16 w + l // 4 (+ 8) and columns 8 j + 2 (l % 4) (+ 1) of each 64 x N tile, in register order (a, b, j)),
+    each thread's registers stored four at a time at 512 (i // 4) + 4 t + i % 4 of its warpgroup's share."""
+    index = torch.full((order.tile_m, order.width), -1, dtype=torch.long)
+    along_n = {"rows": order.width, "columns": order.width // order.warpgroups, "transposed": order.tile_m}[order.split]
+    for share in range(order.warpgroups if order.split != "rows" else order.tile_m // 64):
+        for t in range(128):
+            warp, lane = divmod(t, 32)
+            for j in range(along_n // 8):
+                for b in range(2):
+                    for a in range(2):
+                        m, n = 16 * warp + lane // 4 + 8 * b, 8 * j + 2 * (lane % 4) + a
+                        i = a + 2 * b + 4 * j
+                        at = share * 64 * along_n + 512 * (i // 4) + 4 * t + i % 4
+                        if order.split == "rows":
+                            index[64 * share + m, n] = at
+                        elif order.split == "columns":
+                            index[m, along_n * share + n] = at
+                        else:
+                            index[n, 64 * share + m] = at
+    return index
+
+
+@pytest.mark.parametrize("tile, head_dim", flat_tiles(), ids=lambda x: getattr(x, "tile_m", x))
+def test_the_flat_dq_order_is_the_wgmma_accumulator_order(tile, head_dim):
+    from attnforge.backends.cute_sm90.backward import FlatDqOrder
+
+    order = FlatDqOrder.of(tile, head_dim)
+    rows, cols = torch.arange(order.tile_m)[:, None], torch.arange(order.width)[None, :]
+    closed_form = order.offsets(rows, cols)
+    assert torch.equal(closed_form, wgmma_share_order(order))
+    assert torch.equal(closed_form.flatten().sort().values, torch.arange(order.tile_m * order.width))  # one to one
+
+
+def test_every_split_of_dq_has_a_flat_tile():
+    from attnforge.backends.cute_sm90.backward import FlatDqOrder
+
+    assert {FlatDqOrder.of(tile, d).split for tile, d in flat_tiles()} == set(FlatDqOrder.SPLITS)
+
+
+@pytest.mark.parametrize("seqlen", (1, 17, 113))
+@pytest.mark.parametrize("head_dim", (40, 64, 128, 256))
+def test_dq_from_a_flat_accumulator_undoes_its_order(seqlen, head_dim, gen):
+    from attnforge.backends.cute_sm90.backward import FlatDqOrder, dq_from_flat_accumulator
+
+    for tile, d in flat_tiles():
+        if d != bwd_variants.kernel_head_dim(head_dim):
+            continue
+        order = FlatDqOrder.of(tile, head_dim)
+        q = torch.randn(2, 3, seqlen, head_dim, generator=gen).to(torch.bfloat16)
+        acc, dq_rows = order.accumulator(q), torch.randn(2, 3, order.tile_m * -(-seqlen // order.tile_m),
+                                                         order.width, generator=gen)
+        rows = torch.arange(acc.shape[2])
+        index = (rows // order.tile_m * order.tile_m * order.width)[:, None] + order.offsets(
+            (rows % order.tile_m)[:, None], torch.arange(order.width)[None, :])
+        acc.view(2, 3, -1)[..., index.flatten()] = dq_rows.view(2, 3, -1)  # the kernel's layout of dq_rows
+        dq = dq_from_flat_accumulator(acc, q, 0.5, order)
+        assert torch.equal(dq, (dq_rows[:, :, :seqlen, :head_dim] * 0.5).to(torch.bfloat16))
+
+
+def test_a_flat_dq_tile_takes_no_packed_batch():
+    tile, _ = flat_tiles()[0]
+    assert bwd_variants.feature_reasons(tile, window=False, varlen=True, softcap=False, alibi=False)
+    assert not bwd_variants.feature_reasons(tile, window=True, varlen=False, softcap=True, alibi=True)

@@ -271,8 +271,10 @@ def backward_sass(tmp_path, variant, spill_bytes: int) -> str:
     cute.compile_to(variant.build, str(tmp_path))
     (cubin,) = tmp_path.glob("*.sm_90a.cubin")
     sass = cuobjdump("-sass", str(cubin))
-    seen = collections.Counter(m.split(".")[0] for m in re.findall(r"\b(?:UTMALDG|UTMAREDG|USETMAXREG|STSM)\.[\w.]+", sass))
-    assert seen["UTMALDG"] and seen["UTMAREDG"] and seen["STSM"] and seen["USETMAXREG"] == 2, seen
+    seen = collections.Counter(m.split(".")[0] for m in re.findall(
+        r"\b(?:UTMALDG|UTMAREDG|UBLKRED|USETMAXREG|STSM)\.[\w.]+", sass))
+    dq_reduce = "UBLKRED" if variant.tile.flat_dq else "UTMAREDG"  # flat_dq: a 1-D bulk reduce-add, no TMA tile
+    assert seen["UTMALDG"] and seen[dq_reduce] and seen["STSM"] and seen["USETMAXREG"] == 2, seen
     mmas, waits = len(re.findall(r"\bHGMMA\.", sass)), len(re.findall(r"WARPGROUP\.DEPBAR", sass))
     assert (waits < mmas / 2) != variant.tile.accepts_serialized_wgmma, f"{waits} waits for {mmas} WGMMAs"
     usage = resources(cubin.read_bytes())
@@ -621,3 +623,20 @@ def test_k_first_waits_for_v_in_the_first_step(tmp_path, head_dim):
         sass = backward_sass(tmp_path / str(on), Sm90BwdVariant(twin, head_dim, "bf16", True), 0)
         waits[on] = len(re.findall(r"SYNCS\.PHASECHK\S*TRYWAIT", sass))
     assert waits[True] > waits[False], waits
+
+
+# flat_dq, an option benchmarks/sweep_bwd_sm90.py --twin flat_dq times beside the table's tiles: each warpgroup's dQ
+# share leaves registers by 128-bit stores (one per four accumulator values: two copies of the step, 64 x N / 128 / 4
+# each) and is added by the 1-D bulk reduce-add, with no TMA reduce-add left
+FLAT_DQ_TILES = [(d, masked) for d in bwd_variants.KERNEL_HEAD_DIMS for masked in (False, True)
+                 if d != 256 or masked]  # (d=256 has one tile)
+
+
+@pytest.mark.parametrize("head_dim, masked", FLAT_DQ_TILES, ids=lambda x: str(x))
+def test_flat_dq_stages_by_128_bit_stores_and_one_bulk_reduce_add(tmp_path, head_dim, masked):
+    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=masked)[0], flat_dq=True)
+    assert bwd_variants.check(tile, head_dim) == []
+    sass = backward_sass(tmp_path, Sm90BwdVariant(tile, head_dim, "bf16", masked), 0)
+    along_n = tile.tile_m if tile.dq_transposed else head_dim // (1 if tile.tile_m == 128 else 2)
+    assert len(re.findall(r"\bSTS\.128\b", sass)) == 2 * along_n // 8, along_n
+    assert "UTMAREDG" not in sass and len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32", sass)) == 2

@@ -59,3 +59,19 @@ def test_dq_is_the_scaled_accumulator_in_q_layout(seqlen, head_dim, dtype, gen, 
         assert torch.equal(dq[finite], want)
     else:  # the interpreter casts fp32 to bf16 by truncation (numpy has no bf16): within one bf16 ulp here
         torch.testing.assert_close(dq[finite].double(), want.double(), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("seqlen", (1, 17, 113))
+@pytest.mark.parametrize("split", ("rows", "columns", "transposed"))
+def test_flat_dq_in_triton_matches_the_torch_gathers(seqlen, split, gen, poisoned_empty):
+    # a FLAT_DQ kernel's accumulator of each split (FlatDqOrder), read back by scale_flat_dq and by torch gathers
+    order = {"rows": backward.FlatDqOrder(128, 64, 2, "rows"),
+             "columns": backward.FlatDqOrder(64, 128, 2, "columns"),
+             "transposed": backward.FlatDqOrder(80, 128, 2, "transposed")}[split]
+    q = torch.randn(2, seqlen, 3, order.width - 8, generator=gen).to(torch.float16).transpose(1, 2)  # a padded head dim
+    acc = 50 * torch.randn(order.accumulator(q).shape, generator=gen)
+    acc[0, 1, 0, 3] = math.nan  # lands somewhere in row 0's block; NaN stays NaN
+    dq = backward.dq_from_flat_accumulator(acc, q, 0.125, order, use_triton=True)
+    want = backward.dq_from_flat_accumulator(acc, q, 0.125, order, use_triton=False)
+    assert dq.dtype == torch.float16 and dq.shape == q.shape
+    assert torch.equal(dq.isnan(), want.isnan()) and torch.equal(dq.nan_to_num(), want.nan_to_num())
