@@ -115,12 +115,16 @@ def row_statistics(out, dout, lse, dlse, tile_m: int, use_triton: bool | None = 
     """(LSE * log2(e), delta = rowsum(dO * O) - dLSE), fp32 (batch, heads, seqlen_q rounded up to ``tile_m``): what
     the kernel's TMA loads a query block of. A row that saw no key (LSE -inf) gets +inf, so that its P is 0; padding
     rows get +inf and 0 (their Q and dO load as zeros). ``dq_accum``, the kernel's fp32 dQ accumulator (contiguous,
-    out's shape), is set to zero in the same pass. One Triton kernel on CUDA (bwd_rows_kernel.py; ``use_triton``
+    out's shape, or a FLAT_DQ kernel's: FlatDqOrder.accumulator's), is set to zero in the same pass. One Triton kernel on CUDA (bwd_rows_kernel.py; ``use_triton``
     forces it, e.g. in Triton's interpreter), torch elsewhere."""
     b, h, n = lse.shape
     padded = math.ceil(max(n, 1) / tile_m) * tile_m
+    acc_width = 0  # (0: out's shape; else a FLAT_DQ accumulator's rows: padded, at the kernel's head dim)
     if dq_accum is not None:
-        assert dq_accum.shape == out.shape and dq_accum.dtype == torch.float32 and dq_accum.is_contiguous()
+        assert dq_accum.dtype == torch.float32 and dq_accum.is_contiguous()
+        if dq_accum.shape != out.shape:
+            assert dq_accum.shape[:3] == (b, h, padded), (dq_accum.shape, padded)
+            acc_width = dq_accum.shape[-1]
     if not (out.is_cuda if use_triton is None else use_triton):
         if dq_accum is not None:
             dq_accum.zero_()
@@ -136,7 +140,8 @@ def row_statistics(out, dout, lse, dlse, tile_m: int, use_triton: bool | None = 
     if b * h:
         args = (out, dout, lse, dlse_arg, lse2, delta, acc, int(dlse is not None), int(dq_accum is not None), n,
                 padded, h, *_units(out), *_units(dout))
-        launch(k.row_statistics, (-(-padded // k.BLOCK_ROWS), b * h), args, _dims(out.shape[-1]), k.NUM_WARPS,
+        launch(k.row_statistics, (-(-padded // k.BLOCK_ROWS), b * h), args,
+               {**_dims(out.shape[-1]), "ACC_WIDTH": acc_width}, k.NUM_WARPS,
                k.NUM_STAGES)
     return lse2, delta
 
@@ -224,11 +229,11 @@ class FlatDqOrder:
                 + 2 * ((m // 8) % 2) + n % 2)
 
     def accumulator(self, q: torch.Tensor) -> torch.Tensor:
-        """A zeroed accumulator for q's (batch, heads, seqlen, head_dim): its rows padded to whole query blocks, at
-        the kernel's head dim."""
+        """An accumulator for q's (batch, heads, seqlen, head_dim), not zeroed (row_statistics does that): its rows
+        padded to whole query blocks, at the kernel's head dim."""
         b, h, n, _ = q.shape
         padded = math.ceil(max(n, 1) / self.tile_m) * self.tile_m
-        return torch.zeros((b, h, padded, self.width), dtype=torch.float32, device=q.device)
+        return torch.empty((b, h, padded, self.width), dtype=torch.float32, device=q.device)
 
     def constexprs(self) -> dict:
         """scale_flat_dq's constexprs for this order."""
@@ -284,7 +289,7 @@ def aot_builds(dtype: str, head_dim: int, arch: str = "sm90") -> list:
                            k.NUM_STAGES, signature=tuple(k.aot_signature(kernel, dtype).items()),
                            constexprs=tuple(constexprs.items()), aligned=k.AOT_ALIGNED[kernel])
 
-    return [build("row_statistics", _dims(head_dim)), build("scale_dq", _dims(head_dim))]
+    return [build("row_statistics", {**_dims(head_dim), "ACC_WIDTH": 0}), build("scale_dq", _dims(head_dim))]
 
 
 def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=None, dk=None, dv=None, scores=None,
@@ -303,10 +308,10 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     q, k, v, dout = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(dout)
     flat = FlatDqOrder.of(variant.tile, q.shape[-1]) if variant.tile.flat_dq else None
     if flat is not None:
-        dq_accum = flat.accumulator(q)
+        dq_accum = flat.accumulator(q)  # zeroed by row_statistics
     else:
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by row_statistics
-    lse2, delta = row_statistics(out, dout, lse, dlse, variant.tile.tile_m, dq_accum=None if flat else dq_accum)
+    lse2, delta = row_statistics(out, dout, lse, dlse, variant.tile.tile_m, dq_accum=dq_accum)
     # deterministic: how many key blocks have added into each query block's dQ (else unread: one per head)
     blocks = lse2.shape[-1] // variant.tile.tile_m if variant.deterministic else 1
     dq_order = torch.zeros((*q.shape[:2], blocks), dtype=torch.int32, device=q.device)

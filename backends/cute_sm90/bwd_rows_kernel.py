@@ -29,7 +29,7 @@ def aot_signature(kernel: str, dtype: str) -> dict:
                 "lse2_ptr": "*fp32", "delta_ptr": "*fp32", "acc_ptr": "*fp32",
                 **ints("has_dlse", "zero_acc", "seqlen", "padded", "heads", "stride_ob", "stride_oh", "stride_on",
                        "stride_db", "stride_dh", "stride_dn"),
-                "BLOCK_ROWS": "constexpr", "HEAD_DIM": "constexpr", "D": "constexpr"}
+                "BLOCK_ROWS": "constexpr", "HEAD_DIM": "constexpr", "D": "constexpr", "ACC_WIDTH": "constexpr"}
     return {"acc_ptr": "*fp32", "dq_ptr": f"*{dtype}", "scale": "fp32",
             **ints("seqlen", "heads", "stride_b", "stride_h", "stride_n"),
             "BLOCK_ROWS": "constexpr", "HEAD_DIM": "constexpr", "D": "constexpr"}
@@ -42,12 +42,13 @@ AOT_ALIGNED = {"row_statistics": ("out_ptr", "dout_ptr", "lse_ptr", "dlse_ptr", 
 @triton.jit
 def row_statistics(out_ptr, dout_ptr, lse_ptr, dlse_ptr, lse2_ptr, delta_ptr, acc_ptr, has_dlse, zero_acc, seqlen,
                    padded, heads, stride_ob, stride_oh, stride_on, stride_db, stride_dh, stride_dn,
-                   BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr):
+                   BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D: tl.constexpr, ACC_WIDTH: tl.constexpr):
     """For the rows of one (batch, head): lse2 = lse * log2(e) (+inf where lse is -inf: the row saw no key, its
     P is 0) and delta = sum(dout * out) in fp32 (minus dlse where has_dlse: a runtime flag, so one prebuilt kernel
     serves both); rows from seqlen to padded get +inf and 0. Where zero_acc, the rows of the fp32 dQ accumulator (acc,
     contiguous (batch * heads, seqlen, HEAD_DIM)) are set to 0 in the same pass, which saves the backward a fill
-    kernel. The
+    kernel; with ACC_WIDTH (a FLAT_DQ kernel's accumulator: backward.FlatDqOrder), its (batch * heads,
+    padded, ACC_WIDTH) rows, padding rows too. The
     LSE, dLSE and outputs are contiguous (batch * heads, seqlen) and (batch * heads, padded); strides in 16-byte
     units; D is HEAD_DIM rounded up to a power of two."""
     pid_rows, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -70,7 +71,11 @@ def row_statistics(out_ptr, dout_ptr, lse_ptr, dlse_ptr, lse2_ptr, delta_ptr, ac
     padded_rows = pid_bh.to(tl.int64) * padded + rows
     tl.store(lse2_ptr + padded_rows, lse2, mask=rows < padded)
     tl.store(delta_ptr + padded_rows, delta, mask=rows < padded)
-    if zero_acc:
+    if zero_acc and ACC_WIDTH:
+        width = tl.arange(0, ACC_WIDTH)
+        tl.store(acc_ptr + padded_rows[:, None] * ACC_WIDTH + width[None, :],
+                 tl.zeros((BLOCK_ROWS, ACC_WIDTH), tl.float32), mask=(rows < padded)[:, None])
+    elif zero_acc:
         tl.store(acc_ptr + row_stats[:, None] * HEAD_DIM + dims[None, :], tl.zeros((BLOCK_ROWS, D), tl.float32),
                  mask=tile)
 

@@ -75,3 +75,14 @@ def test_flat_dq_in_triton_matches_the_torch_gathers(seqlen, split, gen, poisone
     want = backward.dq_from_flat_accumulator(acc, q, 0.125, order, use_triton=False)
     assert dq.dtype == torch.float16 and dq.shape == q.shape
     assert torch.equal(dq.isnan(), want.isnan()) and torch.equal(dq.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("seqlen", (1, 113))
+def test_row_statistics_zero_a_flat_accumulator_padding_rows_too(seqlen, gen, poisoned_empty):
+    # a FLAT_DQ kernel's accumulator: rows padded to whole query blocks, at the kernel's head dim (here 64 for d=40)
+    out, dout = (torch.randn(2, 3, seqlen, 40, generator=gen).to(torch.bfloat16) for _ in range(2))
+    order = backward.FlatDqOrder(128, 64, 2, "rows")
+    dq_accum = order.accumulator(out).fill_(math.nan)
+    backward.row_statistics(out, dout, torch.randn(2, 3, seqlen, generator=gen), None, tile_m=128, use_triton=True,
+                            dq_accum=dq_accum)
+    assert dq_accum.shape == (2, 3, 128, 64) and (dq_accum == 0).all()
