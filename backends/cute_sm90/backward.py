@@ -65,8 +65,8 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False, v
                    softcap: bool = False, alibi: bool = False, accumulator_head_dim: int | None = None):
     """Fake arguments for cute.compile, in __call__'s order: q, k, v, dout (batch, heads, seqlen, head_dim) with
     symbolic sizes and 16-byte aligned strides, the LSE (log2) and delta (batch, heads, seqlen_q padded), the
-    fp32 dQ accumulator (batch, heads, seqlen_q, ``accumulator_head_dim``: default head_dim; a FLAT_DQ kernel's
-    holds whole query blocks at its own head dim, FlatDqOrder), the int32 dQ order counts (batch, heads, query
+    fp32 dQ accumulator (batch, heads, seqlen_q, head_dim; with ``accumulator_head_dim``, a FLAT_DQ kernel's: whole
+    query blocks, padded like the LSE, at that head dim, FlatDqOrder), the int32 dQ order counts (batch, heads, query
     blocks; read by the deterministic kernels only), dk, dv, scale_log2, scale, with ``window`` the Int32 window
     bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, with ``alibi`` the fp32 slopes (batch, or
     the sequences with ``varlen``; heads_q), with ``varlen`` the int32 offsets cu_seqlens_q and cu_seqlens_k (batch + 1,) and the key
@@ -90,7 +90,10 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False, v
     q, dout = tensor(element, batch, heads_q, seqlen_q, head_dim), tensor(element, batch, heads_q, seqlen_q, head_dim)
     k, v = tensor(element, batch, heads_kv, seqlen_k, head_dim), tensor(element, batch, heads_kv, seqlen_k, head_dim)
     dk, dv = tensor(element, batch, heads_kv, seqlen_k, head_dim), tensor(element, batch, heads_kv, seqlen_k, head_dim)
-    dq_accum = tensor(cutlass.Float32, batch, heads_q, seqlen_q, accumulator_head_dim or head_dim)
+    if accumulator_head_dim is None:
+        dq_accum = tensor(cutlass.Float32, batch, heads_q, seqlen_q, head_dim)
+    else:  # FLAT_DQ: as many rows as the LSE's, padded to whole query blocks
+        dq_accum = tensor(cutlass.Float32, batch, heads_q, padded_q, accumulator_head_dim)
     dq_order = make_fake_tensor(cutlass.Int32, (batch, heads_q, q_blocks),
                                 (cute_dsl.sym_int64(), cute_dsl.sym_int64(), 1), assumed_align=4)
     bounds = fake_scores(batch, heads_q, window=window, softcap=softcap, alibi=alibi, varlen=varlen)
