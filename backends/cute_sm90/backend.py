@@ -191,8 +191,9 @@ class CuteSm90Backend(Backend):
         tile, why = bwd_variants.pick(problem.head_dim, masked=problem.mask.by_rule)
         reasons += why
         if tile is not None:
-            reasons += bwd_variants.feature_reasons(tile, problem.mask.windowed, problem.varlen, bool(problem.softcap),
-                                                    problem.alibi)
+            features = (problem.mask.windowed, problem.varlen, bool(problem.softcap), problem.alibi)
+            tile = bwd_variants.staging_for(tile, *features)
+            reasons += bwd_variants.feature_reasons(tile, *features)
         if reasons:
             return None, reasons
         return bwd.Sm90BwdVariant(tile, problem.head_dim, problem.dtype, problem.causal, problem.deterministic,
@@ -286,6 +287,7 @@ class CuteSm90Backend(Backend):
             flags = {kind: kind in kinds for kind in ("window", "varlen", "softcap", "alibi")}
             for flag in causal:
                 back, _ = bwd_variants.pick(head_dim, masked=flag or flags["window"])
+                back = back and bwd_variants.staging_for(back, **flags)
                 if back is not None and not bwd_variants.feature_reasons(back, **flags):
                     out.append(bwd.Sm90BwdVariant(back, head_dim, dtype, flag, False, **flags))
         return out

@@ -298,13 +298,24 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # stages with one dO stage (FlashAttention-4's head-dim-256 choice), which fit beside one dQ staging buffer shared by
 # the warpgroups (shared_dq_staging), ran 451.7/440.5, 418.6/378.6, 341.6/259.9: level at 1k, 1-3% behind at 4k and 16k;
 # with dK first too, 443.4/432.7, 417.9/377.6, 338.3/259.4. Not taken; both stay template options (--twin).
+# d=64 and d=128 stage dQ flat (flat_dq: FlashAttention-4's order, 128-bit stores and a 1-D bulk reduce-add). Beside
+# the same tiles without it, forward+backward, bf16, 16k tokens, on an H100 (2026-12-06,
+# benchmarks/results/2026-12-06-h100-flat-dq/: 3 rounds at N=1k/4k/16k, then 5 at 1k/16k), TFLOP/s flat against
+# tiled: d=64 N=16k 516.6/478.8 and 510.7/495.5 full, 520.2/512.7 and 505.8/508.8 causal; N=1k 380.8/375.3 and
+# 379.5/372.6 full, 269.4/264.3 and 270.1/266.8 causal; N=4k 474.3/479.4 full, 429.6/424.4 causal. d=128 (80 rows
+# full, 64 causal) N=16k 607.0/571.8 and 607.1/591.5 full, 597.7/587.9 and 569.6/580.2 causal; N=1k 456.5/447.2 and
+# 454.5/445.0 full, 320.2/321.7 and 322.2/317.7 causal; N=4k 558.0/555.6 full, 492.3/480.5 causal. 16 of 20 faster,
+# +1.9% on average (-1.8% to +7.9%), the full calls in every row; FlashAttention-4 612.9-628.7 at d=128 N=16k full in
+# the same rounds. Its GPU tests passed (115: fp16 and bf16, every kernel head dim and d=96, masked and not,
+# deterministic). Packed batches, and calls with a window, softcap or ALiBi (whose flat kernels have not run on a
+# GPU), take the same tile with dQ through the swizzled tile (staging_for). d=256 keeps it off (not timed there).
 # k_first (K ahead of the first query block's Q, V after it) beside the d=64 and d=128 tiles, 3 interleaved rounds on
 # an H100 (2026-12-06, benchmarks/results/2026-12-06-h100-k-first/): -1.1% to +1.1% at N=1k and 4k, where it should
 # help most; not taken (a template option for --twin).
 BWD: dict[int, list[Sm90BwdTile]] = {
-    64: [Sm90BwdTile(128, accepted_spill_bytes=8, tma_store_dkv=True)],
-    128: [Sm90BwdTile(80, dq_transposed=True, tma_store_dkv=True, unmasked_only=True),
-          Sm90BwdTile(64, tma_store_dkv=True)],
+    64: [Sm90BwdTile(128, accepted_spill_bytes=8, tma_store_dkv=True, flat_dq=True)],
+    128: [Sm90BwdTile(80, dq_transposed=True, tma_store_dkv=True, unmasked_only=True, flat_dq=True),
+          Sm90BwdTile(64, tma_store_dkv=True, flat_dq=True)],
     256: [Sm90BwdTile(64, tile_n=64, q_stages=1, split_head_dim=True, dk_before_dq=True)],
 }
 
@@ -339,6 +350,20 @@ def pick(head_dim: int, *, masked: bool) -> tuple[Sm90BwdTile | None, list[str]]
     if tile is not None and head_dim != kernel_head_dim(head_dim) and not PADDED_SERVED:
         return None, [PADDED_REASON]
     return tile, reasons
+
+
+# Whether the flat_dq tiles serve calls with a window, softcap or ALiBi as they are (their kernels compile for sm_90a;
+# their GPU tests have not run). False: those calls take the same tile with dQ through the swizzled tile.
+FLAT_DQ_FEATURES_SERVED = False
+
+
+def staging_for(tile: Sm90BwdTile, window: bool, varlen: bool, softcap: bool, alibi: bool) -> Sm90BwdTile:
+    """``tile``, or its twin that stages dQ through the swizzled tile (flat_dq off) for a packed batch (a sequence's
+    query blocks are not whole blocks of the packed accumulator) or, unless FLAT_DQ_FEATURES_SERVED, a call with a
+    window, softcap or ALiBi."""
+    if tile.flat_dq and (varlen or ((window or softcap or alibi) and not FLAT_DQ_FEATURES_SERVED)):
+        return dataclasses.replace(tile, flat_dq=False)
+    return tile
 
 
 def feature_reasons(tile: Sm90BwdTile, window: bool, varlen: bool, softcap: bool, alibi: bool) -> list[str]:

@@ -84,19 +84,20 @@ def test_d128_takes_80_rows_without_a_mask_and_64_with_one(monkeypatch):
     assert bwd_variants.pick(96, masked=False) == (rows80, [])  # (the padded head dims on the 128 kernel too)
     assert bwd_variants.pick(128, masked=True) == (masked_tile, [])
     assert bwd_variants.mask_reasons(rows80, True) == [
-        "the 80x128 s2 2 consumer warpgroups, dK/dV by TMA, dQ transposed tile serves calls without a causal mask or "
-        "window only"]
+        "the 80x128 s2 2 consumer warpgroups, dK/dV by TMA, dQ transposed, dQ staged flat tile serves calls without a "
+        "causal mask or window only"]
     assert rows80.module(128) == dataclasses.replace(rows80, unmasked_only=False).module(128)  # the same kernel
     shape = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=1000, heads=8, needs_grad=True,
                  backend="cute_sm90")
     assert explain(causal=False, **shape).backward.variant.tile == rows80
     assert explain(causal=True, **shape).backward.variant.tile == masked_tile
-    assert explain(causal=False, window_size=(256, 0), **shape).backward.variant.tile == masked_tile
+    windowed = explain(causal=False, window_size=(256, 0), **shape).backward.variant.tile  # (dQ tiled: staging_for)
+    assert windowed == dataclasses.replace(masked_tile, flat_dq=False)
     built = {(v.causal, v.window, v.tile) for v in get("cute_sm90").variants(dtypes=("bf16",), head_dims=(128,),
                                                                                features=(frozenset({"window"}),))
              if isinstance(v, Sm90BwdVariant)}
-    assert built == {(False, False, rows80), (True, False, masked_tile), (False, True, masked_tile),
-                     (True, True, masked_tile)}
+    tiled = dataclasses.replace(masked_tile, flat_dq=False)  # the windowed kernels' (staging_for)
+    assert built == {(False, False, rows80), (True, False, masked_tile), (False, True, tiled), (True, True, tiled)}
 
 
 def test_a_tile_turned_off_says_so(monkeypatch):
@@ -232,3 +233,21 @@ def test_a_flat_dq_tile_takes_no_packed_batch():
     tile, _ = flat_tiles()[0]
     assert bwd_variants.feature_reasons(tile, window=False, varlen=True, softcap=False, alibi=False)
     assert not bwd_variants.feature_reasons(tile, window=True, varlen=False, softcap=True, alibi=True)
+
+
+@pytest.mark.parametrize("features", [{}, {"window_size": (256, 0)}, {"softcap": 30.0}, {"varlen": True}],
+                         ids=("plain", "window", "softcap", "varlen"))
+def test_flat_dq_serves_plain_dense_calls_and_the_others_take_the_tiled_twin(features):
+    """The table's d=64/128 tiles stage dQ flat; a packed batch, and (FLAT_DQ_FEATURES_SERVED off) a window or softcap,
+    run the same tile with dQ through the swizzled tile, and the build compiles that one for them."""
+    assert all(tile.flat_dq for d in (64, 128) for tile in bwd_variants.BWD[d])
+    tile = bwd_variants.BWD[64][0]
+    flags = dict(window="window_size" in features, varlen="varlen" in features, softcap="softcap" in features,
+                 alibi=False)
+    twin = bwd_variants.staging_for(tile, **flags)
+    assert twin == (tile if not features else dataclasses.replace(tile, flat_dq=False))
+    assert not bwd_variants.feature_reasons(twin, **flags)
+    if "varlen" not in features:
+        shape = dict(device="H100", dtype="bf16", head_dim=64, seqlen_q=1000, heads=8, needs_grad=True,
+                     backend="cute_sm90", causal=True)
+        assert explain(**shape, **features).backward.variant.tile == twin

@@ -327,7 +327,8 @@ def test_softcap_and_alibi_backward_compile_with_one_tanh_and_log_per_score(tmp_
 # The backward's packed (VARLEN) kernels, bf16, with and without the window: what `attnforge build --features
 # varlen,varlen+window` builds (bwd_variants.PACKED)
 VARLEN_BWD = either_way(lambda: [
-    Sm90BwdVariant(bwd_variants.pick(d, masked=causal or window)[0], d, "bf16", causal, False, window, True)
+    Sm90BwdVariant(bwd_variants.staging_for(bwd_variants.pick(d, masked=causal or window)[0], window, True, False,
+                                            False), d, "bf16", causal, False, window, True)
     for d in FEATURE_BWD_HEAD_DIMS for window in (False, True) for causal in (False, True)])
 # measured here (stack bytes): d=64 causal 40 (8 dense; 24 with the window), d=128 causal 8 (0 dense)
 VARLEN_BWD_SPILL_BYTES = {64: 40, 128: 8}

@@ -58,6 +58,7 @@ def _packed_backward_backend(head_dim: int, masked: bool) -> str:
     """cute_sm90 where its table serves a packed backward at ``head_dim`` (the padded kernels included, where
     bwd_variants.PADDED_SERVED), else triton_fa2."""
     tile, _ = bwd_variants.pick(head_dim, masked=masked)
+    tile = tile and bwd_variants.staging_for(tile, False, True, False, False)  # (a packed batch's dQ staging)
     served = tile is not None and not bwd_variants.feature_reasons(tile, False, True, False, False)
     return "cute_sm90" if served else "triton_fa2"
 
