@@ -114,6 +114,12 @@ def compile_arguments(module, dtype: str, causal: bool, arch: str):
                                                                 module, "FLAT_DQ", False) else None)
 
 
+def block_rows(seqlen_q: int, tile_m: int) -> int:
+    """The rows of the LSE, delta and a FLAT_DQ accumulator: seqlen_q rounded up to whole query blocks (one block at
+    least, so that an empty sequence still has a block for the kernel's loads)."""
+    return math.ceil(max(seqlen_q, 1) / tile_m) * tile_m
+
+
 def row_statistics(out, dout, lse, dlse, tile_m: int, use_triton: bool | None = None, dq_accum=None):
     """(LSE * log2(e), delta = rowsum(dO * O) - dLSE), fp32 (batch, heads, seqlen_q rounded up to ``tile_m``): what
     the kernel's TMA loads a query block of. A row that saw no key (LSE -inf) gets +inf, so that its P is 0; padding
@@ -121,7 +127,7 @@ def row_statistics(out, dout, lse, dlse, tile_m: int, use_triton: bool | None = 
     out's shape, or a FLAT_DQ kernel's: FlatDqOrder.accumulator's), is set to zero in the same pass. One Triton kernel on CUDA (bwd_rows_kernel.py; ``use_triton``
     forces it, e.g. in Triton's interpreter), torch elsewhere."""
     b, h, n = lse.shape
-    padded = math.ceil(max(n, 1) / tile_m) * tile_m
+    padded = block_rows(n, tile_m)
     acc_width = 0  # (0: out's shape; else a FLAT_DQ accumulator's rows: padded, at the kernel's head dim)
     if dq_accum is not None:
         assert dq_accum.dtype == torch.float32 and dq_accum.is_contiguous()
@@ -235,8 +241,7 @@ class FlatDqOrder:
         """An accumulator for q's (batch, heads, seqlen, head_dim), not zeroed (row_statistics does that): its rows
         padded to whole query blocks, at the kernel's head dim."""
         b, h, n, _ = q.shape
-        padded = math.ceil(max(n, 1) / self.tile_m) * self.tile_m
-        return torch.empty((b, h, padded, self.width), dtype=torch.float32, device=q.device)
+        return torch.empty((b, h, block_rows(n, self.tile_m), self.width), dtype=torch.float32, device=q.device)
 
     def constexprs(self) -> dict:
         """scale_flat_dq's constexprs for this order."""
@@ -310,10 +315,8 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     q, scale = nonnegative_scale(q, scale)
     q, k, v, dout = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(dout)
     flat = FlatDqOrder.of(variant.tile, q.shape[-1]) if variant.tile.flat_dq else None
-    if flat is not None:
-        dq_accum = flat.accumulator(q)  # zeroed by row_statistics
-    else:
-        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by row_statistics
+    # zeroed by row_statistics
+    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if flat is None else flat.accumulator(q)
     lse2, delta = row_statistics(out, dout, lse, dlse, variant.tile.tile_m, dq_accum=dq_accum)
     # deterministic: how many key blocks have added into each query block's dQ (else unread: one per head)
     blocks = lse2.shape[-1] // variant.tile.tile_m if variant.deterministic else 1
