@@ -389,7 +389,7 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
     required). ``device`` is a profile name (``"H100"``, ``"MI300X"``, ...; see PROFILES), a
     DeviceSpec or a torch device; default: the tensors' device, else this machine's. ``kv_cache="contiguous"`` or
     ``"paged"``: the Decision attention_with_kvcache would take (k, v then stand for the cache, seqlen_k for the
-    longest sequence's keys; ``kv_dtype="fp8"`` for an e4m3 cache, ``page_size`` a paged cache's positions per page,
+    longest sequence's keys; ``kv_dtype="fp8"`` for an e4m3 cache, ``"fp8_fnuz"`` for an e4m3fnuz one, ``page_size`` a paged cache's positions per page,
     which cute_sm90's paged kernel needs to know). ``varlen=True``: the Decision attention_varlen would take for a packed batch of
     ``batch`` sequences, the longest of ``seqlen_q`` queries and ``seqlen_k`` keys.
     """

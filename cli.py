@@ -242,8 +242,9 @@ BUILD_TARGETS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "gfx90a", "gf
 
 
 # the Triton kernels' feature flags (LOCAL, SOFTCAP, ..., VARLEN for attention_varlen's packed batches), and
-# "kvcache": the KV-cache kernels (with the others of its set: kvcache+window; kvcache+fp8 for an fp8 cache)
-BUILD_FEATURES = ("window", "softcap", "sinks", "alibi", "varlen", "kvcache", "fp8")
+# "kvcache": the KV-cache kernels (with the others of its set: kvcache+window; kvcache+fp8 for an e4m3 cache,
+# kvcache+fp8_fnuz for an e4m3fnuz one)
+BUILD_FEATURES = ("window", "softcap", "sinks", "alibi", "varlen", "kvcache", "fp8", "fp8_fnuz")
 
 
 def _feature_sets(text: str) -> tuple[frozenset, ...]:
@@ -488,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the kernels of these variants: a comma list of feature sets, each a +-joined set of "
                         f"{', '.join(BUILD_FEATURES)} (window+softcap: both in one kernel; varlen: "
                         "attention_varlen's kernels; kvcache: attention_with_kvcache's kernels, kvcache+window with "
-                        "a window, kvcache+fp8 for an fp8 cache); triton_fa2/triton_rocm")
+                        "a window, kvcache+fp8 for an e4m3 cache, kvcache+fp8_fnuz for an e4m3fnuz one); "
+                        "triton_fa2/triton_rocm")
     p.add_argument("--out", help="cache folder (default $ATTNFORGE_CACHE_DIR or ~/.cache/attnforge)")
     p.add_argument("--list", action="store_true", help="list what would be built, build nothing")
     p.add_argument("--keep-asm", action="store_true", help="write PTX and SASS next to each kernel (Triton and CuTe)")

@@ -14,7 +14,8 @@ import torch
 from .api import _causal_mask
 from .dispatch.call import Call, KVCache
 from .dispatch.device import detect
-from .dispatch.problem import Problem, check_scale, check_sinks, check_softcap, dtype_name, softcap_fields
+from .dispatch.problem import (Problem, check_scale, check_sinks, check_softcap, dtype_name, kv_dtype_of,
+                               softcap_fields)
 from .dispatch.registry import get
 from .dispatch.select import decide_keyed, forced_backend
 from .errors import InvalidInputError
@@ -40,9 +41,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     and with ``return_lse`` the LSE (batch, heads_q, seqlen_q) fp32. No backward (as flash-attn's); not under
     torch.compile yet.
 
-    An fp8 cache: ``k_cache`` and ``v_cache`` float8_e4m3fn with fp16/bf16 ``q`` (and new ``k``, ``v`` in e4m3 too,
-    quantised by the caller); ``k_descale`` and ``v_descale`` (batch, heads_kv) fp32 (default 1) dequantise it: the
-    keys and values attended are cache * descale. The output is in q's dtype.
+    An fp8 cache: ``k_cache`` and ``v_cache`` float8_e4m3fn, or float8_e4m3fnuz (AMD CDNA3's fp8), with fp16/bf16
+    ``q`` (and new ``k``, ``v`` in the cache's dtype too, quantised by the caller); ``k_descale`` and ``v_descale``
+    (batch, heads_kv) fp32 (default 1) dequantise it: the keys and values attended are cache * descale. The output is
+    in q's dtype.
 
     ``check_inputs`` (default): the lengths, left pads and the pages they use are checked on the host (one sync),
     and a value outside the cache raises. ``check_inputs=False`` reads nothing on the host, so the call can be
@@ -101,7 +103,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         batch=batch, heads_q=heads_q, heads_kv=k_cache.shape[2], seqlen_q=seqlen_q, seqlen_k=longest,
         head_dim=head_dim, head_dim_v=v_cache.shape[3], dtype=dtype_name(q.dtype), device=detect(device), mask=mask,
         return_lse=bool(return_lse), **softcap_fields(softcap), sinks=sinks is not None,
-        kv_cache="paged" if paged else "contiguous", kv_dtype="fp8" if descale is not None else "",
+        kv_cache="paged" if paged else "contiguous", kv_dtype=kv_dtype_of(k_cache.dtype),
         kv_page_size=page_size if paged else 0, kv_leftpad=starts is not None, kv_unchecked=not check_inputs), *forced)
     cache = KVCache(ends.to(torch.int32), starts, block_table, longest, num_splits, descale)
     call = Call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
@@ -119,18 +121,18 @@ def _check_tensors(q, k_cache, v_cache, k, v) -> None:
             raise InvalidInputError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
         if t.device != q.device:
             raise InvalidInputError(f"{name} is on {t.device} but q is on {q.device}: they must share one device")
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    fp8 = bool(kv_dtype_of(k_cache.dtype))
     if fp8 and q.dtype not in (torch.float16, torch.bfloat16):
         raise InvalidInputError(f"an fp8 KV cache takes fp16 or bf16 queries, got q {q.dtype}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if t is None:
             continue
-        if fp8 and t.dtype != torch.float8_e4m3fn:
-            raise InvalidInputError(f"{name} is {t.dtype}: with a float8_e4m3fn k_cache, v_cache and new k, v are "
-                                    "float8_e4m3fn too")
+        if fp8 and t.dtype != k_cache.dtype:
+            raise InvalidInputError(f"{name} is {t.dtype}: with a {k_cache.dtype} k_cache, v_cache and new k, v are "
+                                    f"{k_cache.dtype} too")
         if not fp8 and t.dtype != q.dtype:
             raise InvalidInputError(f"{name} is {t.dtype} but q is {q.dtype}: they must share one dtype (or the caches "
-                                    "and new k, v are float8_e4m3fn, with fp16/bf16 q)")
+                                    "and new k, v are float8_e4m3fn or float8_e4m3fnuz, with fp16/bf16 q)")
     if (k is None) != (v is None):
         raise InvalidInputError("pass k and v together, or neither")
     if k_cache.shape[:3] != v_cache.shape[:3]:
@@ -153,9 +155,10 @@ def _check_tensors(q, k_cache, v_cache, k, v) -> None:
 def _descales(q, k_cache, k_descale, v_descale) -> torch.Tensor | None:
     """The (2, batch, heads_kv) fp32 descales of an fp8 cache (ones where not given); None for another cache, where
     giving one is an error."""
-    if k_cache.dtype != torch.float8_e4m3fn:
+    if not kv_dtype_of(k_cache.dtype):
         if k_descale is not None or v_descale is not None:
-            raise InvalidInputError(f"k_descale and v_descale apply to a float8_e4m3fn cache, got {k_cache.dtype}")
+            raise InvalidInputError(f"k_descale and v_descale apply to a float8_e4m3fn or float8_e4m3fnuz cache, got "
+                                    f"{k_cache.dtype}")
         return None
     batch, heads_kv = q.shape[0], k_cache.shape[2]
     out = torch.ones(2, batch, heads_kv, dtype=torch.float32, device=q.device)

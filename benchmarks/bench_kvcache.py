@@ -181,7 +181,7 @@ def sweep(shape, inputs, layout: str = "contiguous") -> list[dict]:
     for block_n, warps, stages, splits in itertools.product(block_ns, (4, 8), (2, 3), (0, 1, 2, 4, 8, 16, 32)):
         tile = KVTile(16, block_n, warps, stages)
         variant = TritonVariant("kvcache", tile, "triton_kvcache.py.jinja", "sm90", d, "bf16", False, paged=paged,
-                                fp8_kv=fp8)
+                                kv_dtype="fp8" if fp8 else "")
         call = Call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, Mask(),
                     cache=KVCache(seqlens, None, table, n, splits, descale))
         try:

@@ -26,7 +26,16 @@ _ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "f
 _NAME_OF = {dt: name for name, dt in DTYPES.items()}
 LAYOUTS = ("bhsd", "bshd")
 KV_CACHES = ("", "contiguous", "paged")  # Problem.kv_cache
-KV_DTYPES = ("", "fp8")  # Problem.kv_dtype: the cache's own dtype where it is not q's
+KV_DTYPES = ("", "fp8", "fp8_fnuz")  # Problem.kv_dtype: the cache's own dtype where it is not q's
+# The fp8 caches by kv_dtype: OCP e4m3 (NVIDIA Ada/Hopper/Blackwell, AMD CDNA4) and AMD CDNA3's e4m3fnuz (exponent
+# bias 8, no infinities, one NaN); torch converts either exactly, so a descale means the same for both.
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_fnuz": torch.float8_e4m3fnuz}
+KV_DTYPE_WORDS = {"fp8": "fp8 (e4m3)", "fp8_fnuz": "fp8 (e4m3fnuz)"}
+
+
+def kv_dtype_of(cache_dtype: torch.dtype) -> str:
+    """Problem.kv_dtype of a cache in ``cache_dtype``: its KV_CACHE_DTYPES name, or "" (the cache is in q's dtype)."""
+    return next((name for name, dt in KV_CACHE_DTYPES.items() if dt == cache_dtype), "")
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -71,7 +80,8 @@ class Problem:
     # sequence) or "paged" (pages a block table names); seqlen_k is then the longest sequence's key count (the
     # cache's capacity when the lengths are not read on the host: check_inputs=False)
     kv_cache: str = ""
-    # a KV cache stored in another dtype than q: "fp8" (e4m3, dequantised by per-(batch, KV head) descales); "": q's
+    # a KV cache stored in another dtype than q: "fp8" (e4m3) or "fp8_fnuz" (e4m3fnuz), dequantised by per-(batch,
+    # KV head) descales (KV_CACHE_DTYPES); "": q's
     kv_dtype: str = ""
     kv_page_size: int = 0  # a paged cache's positions per page (0: not paged, or not given to explain())
     kv_leftpad: bool = False  # the sequences start at cache_leftpad positions (not all at 0)

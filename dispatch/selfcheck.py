@@ -31,7 +31,7 @@ from .._version import __version__
 from ..runtime.cache import default_cache_dir, write_atomic
 from ..runtime.env import on_unless_turned_off
 from .call import Call, KVCache, Varlen
-from .problem import DTYPES, Problem
+from .problem import DTYPES, KV_CACHE_DTYPES, Problem
 
 logger = logging.getLogger("attnforge")
 ENV_VAR = "ATTNFORGE_SELFCHECK"
@@ -212,7 +212,7 @@ def _tiny_cache(problem: Problem, k: torch.Tensor, v: torch.Tensor):
     table = (torch.arange(BATCH * per_sequence, dtype=torch.int32, device=device).view(BATCH, per_sequence)
              if problem.kv_cache == "paged" else None)
     descale = (torch.tensor(FP8_KV_DESCALES, device=device)[:, None, None].expand(2, BATCH, HEADS_KV).contiguous()
-               if problem.kv_dtype == "fp8" else None)
+               if problem.kv_dtype else None)
     return KVCache(seqlens, None, table, SEQLEN_K, descale=descale), cache_of(k), cache_of(v)
 
 
@@ -234,12 +234,12 @@ def _run(backend, variant, problem: Problem) -> tuple[str, ...]:
 
     dtype = DTYPES[problem.dtype]
     q, k, v, _, scale, features = _tiny_inputs(problem)
-    if problem.kv_dtype == "fp8":  # the cache holds e4m3; the answer is of what it stands for
-        k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    if problem.kv_dtype:  # the cache holds fp8; the answer is of what it stands for
+        k8, v8 = k.to(KV_CACHE_DTYPES[problem.kv_dtype]), v.to(KV_CACHE_DTYPES[problem.kv_dtype])
         cache, k_cache, v_cache = _tiny_cache(problem, k8, v8)
         out, _ = backend.forward(variant, Call(q, k_cache, v_cache, scale, problem.mask, cache=cache, **features))
         k, v = (x.float() * d for x, d in zip((k8, v8), FP8_KV_DESCALES))
-        k, v = k.to(dtype), v.to(dtype)  # (exact for e4m3 values times a power of two)
+        k, v = k.to(dtype), v.to(dtype)  # (exact for fp8 values times a power of two)
     else:
         cache, k_cache, v_cache = _tiny_cache(problem, k, v)
         out, _ = backend.forward(variant, Call(q, k_cache, v_cache, scale, problem.mask, cache=cache,

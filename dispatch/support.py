@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .problem import Problem
+from .problem import KV_DTYPE_WORDS, Problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,8 @@ class Support:
     deterministic_backward: str = ""
     empty: bool = True  # zero-sized batch, heads or sequence
     kv_cache: frozenset[str] = frozenset()  # the KV caches it reads in place ("contiguous", "paged")
-    kv_cache_fp8: bool = False  # an fp8 (e4m3) KV cache with descales, for fp16/bf16 queries
+    # the fp8 KV caches it reads, with descales, for fp16/bf16 queries (Problem.kv_dtype names: "fp8", "fp8_fnuz")
+    kv_cache_dtypes: frozenset[str] = frozenset()
     kv_leftpad: bool = False  # a KV cache's cache_leftpad (sequences starting past position 0)
     kv_unchecked: bool = False  # KV-cache lengths and pages not checked on the host (check_inputs=False)
     varlen: bool = False  # packed variable-length batches (cu_seqlens) in one call
@@ -78,8 +79,8 @@ class Support:
         if p.kv_cache and p.kv_cache not in self.kv_cache:
             out.append(f"a {p.kv_cache} KV cache is not supported (it has no kernel that reads cache_seqlens"
                        f"{' and a block_table' if p.kv_cache == 'paged' else ''})")
-        if p.kv_dtype == "fp8" and not self.kv_cache_fp8:
-            out.append("an fp8 (e4m3) KV cache is not supported")
+        if p.kv_dtype and p.kv_dtype not in self.kv_cache_dtypes:
+            out.append(f"an {KV_DTYPE_WORDS[p.kv_dtype]} KV cache is not supported")
         if p.kv_leftpad and not self.kv_leftpad:
             out.append("cache_leftpad is not supported (its KV-cache kernels start every sequence at position 0)")
         if p.kv_unchecked and not self.kv_unchecked:

@@ -26,7 +26,7 @@ class ReferenceBackend(Backend):
         softcap=True, sinks=True, alibi=True,
         dropout=False,  # the dropout mask would have to be regenerated in backward; sdpa serves dropout
         kv_cache=frozenset({"contiguous", "paged"}),  # each sequence's keys gathered, then computed alone (slow)
-        kv_cache_fp8=True,  # gathered keys and values dequantised by their descales
+        kv_cache_dtypes=frozenset({"fp8", "fp8_fnuz"}),  # gathered keys and values dequantised by their descales
         kv_leftpad=True,  # (positions [leftpad, length) gathered)
         kv_unchecked=True,  # (it reads the lengths and pages on the host as it runs)
         varlen=True,  # each sequence of a packed batch computed alone, on views (slow)

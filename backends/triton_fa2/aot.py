@@ -13,8 +13,10 @@ OFFSET_POINTERS = {"CU_Q", "CU_K"}
 # Upper-case parameters that are sizes, not pointers.
 SIZES = ("B", "H", "GROUP", "N_Q", "N_K", "H_KV", "PAGE_SIZE", "KEYS_PER_SPLIT", "NUM_SPLITS", "CAPACITY", "NUM_PAGES",
          "B_H_KV")
-# An fp8 KV cache's K and V (the KV-cache kernel's FP8_KV): e4m3, Triton's fp8e4nv.
+# An fp8 KV cache's K and V (the KV-cache kernel's FP8_KV), by Problem.kv_dtype: e4m3 is Triton's fp8e4nv,
+# e4m3fnuz its fp8e4b8.
 CACHE_POINTERS = {"K", "V"}
+CACHE_TRITON_DTYPES = {"fp8": "fp8e4nv", "fp8_fnuz": "fp8e4b8"}
 TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16"}
 KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dkdv_kernel", "dq_kernel", "preprocess_kernel"),
            "kvcache": ("kvcache_kernel", "combine_kernel")}
@@ -24,10 +26,11 @@ KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dkdv_kernel", "dq_kernel", "preproce
 KV_SPLIT_POWERS = (2, 4, 8, 16, 32, 64, 128)
 
 
-def signature(fn, dtype: str, fp32_out: bool = False, varlen: bool = False, fp8_cache: bool = False) -> tuple[tuple, tuple]:
+def signature(fn, dtype: str, fp32_out: bool = False, varlen: bool = False, kv_dtype: str = "") -> tuple[tuple, tuple]:
     """(signature, aligned pointers) of a generated kernel as the JIT sees it for 16-byte-aligned tensors:
     upper-case parameters are pointers (fp32 for LSE and DELTA; O too with ``fp32_out``; int32 for lengths and
-    block tables, and for a packed batch's offsets with ``varlen``; e4m3 for K and V with ``fp8_cache``), ``*scale*``
+    block tables, and for a packed batch's offsets with ``varlen``; K and V in the fp8 cache format ``kv_dtype``
+    names), ``*scale*``
     are fp32, the rest i32."""
     sig, aligned = [], []
     for p in fn.params:
@@ -36,7 +39,7 @@ def signature(fn, dtype: str, fp32_out: bool = False, varlen: bool = False, fp8_
         elif p.name.isupper() and p.name not in SIZES:
             offsets = "i32" if varlen else "fp32"
             kind = ("fp32" if p.name in FP32_POINTERS or (fp32_out and p.name == "O") else
-                    "fp8e4nv" if fp8_cache and p.name in CACHE_POINTERS else
+                    CACHE_TRITON_DTYPES[kv_dtype] if kv_dtype and p.name in CACHE_POINTERS else
                     offsets if p.name in OFFSET_POINTERS else
                     "i32" if p.name in INT32_POINTERS else TRITON_DTYPES[dtype])
             sig.append((p.name, f"*{kind}"))
@@ -80,7 +83,7 @@ def kvcache_builds(variant, path) -> list[KernelBuild]:
     flags = (("CAUSAL", variant.causal and not variant.local), ("LOCAL", variant.local), ("SOFTCAP", variant.softcap),
              ("HAS_SINKS", variant.sinks))
     for fp32_out in (False, True):
-        sig, aligned = signature(fn, variant.dtype, fp32_out, fp8_cache=variant.fp8_kv)
+        sig, aligned = signature(fn, variant.dtype, fp32_out, kv_dtype=variant.kv_dtype)
         for paged in (variant.paged,):
             constexprs = head + flags + (("PAGED", paged), ("HAS_LEFTPAD", False), ("SPLIT", fp32_out),
                                          ("FP8_KV", variant.fp8_kv))

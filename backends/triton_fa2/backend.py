@@ -15,7 +15,7 @@ import itertools
 import torch
 
 from ...codegen import Source
-from ...dispatch.problem import Problem
+from ...dispatch.problem import KV_DTYPE_WORDS, KV_DTYPES, Problem
 from ...dispatch.registry import Backend, Planned
 from ...dispatch.support import Support
 from ...dispatch.variant import Variant
@@ -78,7 +78,12 @@ class TritonVariant(Variant):
     alibi: bool = False  # ALiBi (the kernels' ALIBI; the slopes are the call's)
     paged: bool = False  # a KV-cache variant for paged caches (the kernel's PAGED)
     varlen: bool = False  # a packed batch, FlashAttention's varlen layout (the kernels' VARLEN)
-    fp8_kv: bool = False  # a KV-cache variant for an fp8 (e4m3) cache (the kernel's FP8_KV)
+    kv_dtype: str = ""  # a KV-cache variant for an fp8 cache (Problem.kv_dtype: the kernel's FP8_KV, K/V's type)
+
+    @property
+    def fp8_kv(self) -> bool:
+        """Whether it reads an fp8 cache (the kernel's FP8_KV)."""
+        return bool(self.kv_dtype)
 
     @property
     def name(self) -> str:
@@ -86,11 +91,12 @@ class TritonVariant(Variant):
                 f"{'causal' if self.causal else 'full'}{'.local' if self.local else ''}"
                 f"{'.softcap' if self.softcap else ''}{'.sinks' if self.sinks else ''}"
                 f"{'.alibi' if self.alibi else ''}{'.paged' if self.paged else ''}{'.varlen' if self.varlen else ''}"
-                f"{'.fp8kv' if self.fp8_kv else ''}")
+                f"{f'.{self.kv_dtype}kv' if self.kv_dtype else ''}")
 
     def describe(self) -> str:
         features = [f for f, on in (("window", self.local), ("softcap", self.softcap), ("sinks", self.sinks),
-                                    ("alibi", self.alibi), ("varlen", self.varlen), ("fp8 cache", self.fp8_kv)) if on]
+                                    ("alibi", self.alibi), ("varlen", self.varlen),
+                                    (f"{KV_DTYPE_WORDS.get(self.kv_dtype)} cache", self.fp8_kv)) if on]
         return (self.tile.describe() + (f" +{'+'.join(features)}" if features else "") + (" (tuned)" if self.tuned else "")
                 + (" (interpreter)" if self.interpreted else ""))
 
@@ -125,15 +131,16 @@ class TritonFA2Backend(Backend):
         sinks=True,  # the forward's HAS_SINKS; the backward recomputes P from the LSE, which counts the sink
         alibi=True,  # ALIBI kernels
         kv_cache=frozenset({"contiguous", "paged"}),  # templates/triton_kvcache.py.jinja: split-KV, pack-GQA
-        kv_cache_fp8=True,  # its FP8_KV kernels, on the archs of FP8_KV_ARCHS
+        kv_cache_dtypes=frozenset({"fp8"}),  # its FP8_KV kernels, on the archs of FP8_KV_ARCHS
         kv_leftpad=True,
         kv_unchecked=True,  # lengths and pages outside the cache give NaN rows; nothing outside it is read
         varlen=True,  # the VARLEN kernels: one launch for a packed batch, a sequence's rows found by its offsets
     )
     # the multiprocessors the split heuristic fills when the interpreter runs the kernels (few: tests split)
     interpreter_multiprocessors = 4
-    # where Triton converts e4m3 (fp8e4nv) in hardware: Ada and later (sm80/sm86 have no fp8 conversion)
-    FP8_KV_ARCHS = ("sm89", "sm90", "sm100", "sm120")
+    # per fp8 cache format (Problem.kv_dtype), the archs where Triton converts it in hardware: e4m3 (fp8e4nv) on
+    # Ada and later (sm80/sm86 have no fp8 conversion)
+    FP8_KV_ARCHS: dict[str, tuple[str, ...]] = {"fp8": ("sm89", "sm90", "sm100", "sm120")}
 
     def available(self) -> list[str]:
         try:
@@ -183,8 +190,10 @@ class TritonFA2Backend(Backend):
             reasons.append(f"head_dim_v {problem.head_dim_v} != head_dim {problem.head_dim}")
         if problem.alibi:
             reasons.append("ALiBi is not in its KV-cache kernel")
-        if problem.kv_dtype == "fp8" and not cpu and problem.device.arch not in self.FP8_KV_ARCHS:
-            reasons.append(f"an fp8 KV cache needs e4m3 conversion in hardware ({', '.join(self.FP8_KV_ARCHS)}; "
+        fp8_archs = self.FP8_KV_ARCHS.get(problem.kv_dtype, ())
+        if fp8_archs and not cpu and problem.device.arch not in fp8_archs:
+            reasons.append(f"an {KV_DTYPE_WORDS[problem.kv_dtype]} KV cache needs its conversion in hardware "
+                           f"({', '.join(fp8_archs)}; "
                            f"the device is {problem.device.arch})")
         arch = self.interpreter_arch if cpu else problem.device.arch
         rows = problem.seqlen_q * (problem.heads_q // max(problem.heads_kv, 1))
@@ -195,7 +204,7 @@ class TritonFA2Backend(Backend):
             return None, reasons
         return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, problem.head_dim, problem.dtype,
                              problem.causal, False, cpu, problem.mask.windowed, problem.softcap, problem.sinks,
-                             paged=problem.kv_cache == "paged", fp8_kv=problem.kv_dtype == "fp8"), []
+                             paged=problem.kv_cache == "paged", kv_dtype=problem.kv_dtype), []
 
     def _plan(self, problem: Problem) -> Planned:
         if problem.kv_cache:
@@ -244,14 +253,15 @@ class TritonFA2Backend(Backend):
     def _kvcache_variant(self, arch: str, head_dim: int, dtype: str, causal: bool, rows: int, paged: bool,
                          kinds: frozenset) -> TritonVariant | None:
         """The KV-cache variant for these rows and layout, with the features of ``kinds`` ("kvcache" and any of
-        "window", "softcap", "sinks", "fp8": an fp8 cache, on the archs that convert it)."""
+        "window", "softcap", "sinks", and "fp8" or "fp8_fnuz": an fp8 cache of that format (Problem.kv_dtype), on
+        the archs that convert it)."""
         tile, _ = variants.kv_tile(self._table("kvcache-paged" if paged else "kvcache"), arch, head_dim, rows)
-        fp8 = "fp8" in kinds
-        if tile is None or (fp8 and arch not in self.FP8_KV_ARCHS):
+        kv_dtype = next((name for name in KV_DTYPES if name and name in kinds), "")
+        if tile is None or (kv_dtype and arch not in self.FP8_KV_ARCHS.get(kv_dtype, ())):
             return None
         return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, head_dim, dtype, causal,
                              local="window" in kinds, softcap="softcap" in kinds, sinks="sinks" in kinds, paged=paged,
-                             fp8_kv=fp8)
+                             kv_dtype=kv_dtype)
 
     def builds(self, variant: TritonVariant) -> list:
         return aot.builds(variant, generated.path_for(variant.source))

@@ -52,3 +52,34 @@ def test_build_cli_for_amd(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "4 kernels in" in out and "VGPRs" in err and "v_mfma" in err
     assert len(list(tmp_path.glob("*/kernel.amdgcn"))) == 4
+
+
+# The instruction that converts two cache elements of each arch's own fp8 format in hardware (for bf16 queries)
+FP8_CONVERT = {"gfx942": ("fp8_fnuz", "fp8e4b8", "v_cvt_pk_f32_fp8"),  # CDNA3: e4m3fnuz, to fp32 pairs
+               "gfx950": ("fp8", "fp8e4nv", "v_cvt_scalef32_pk_bf16_fp8")}  # CDNA4: OCP e4m3, straight to bf16
+
+
+@pytest.mark.parametrize("arch", sorted(FP8_CONVERT))
+def test_fp8_kvcache_kernels_convert_their_arch_format_in_hardware(arch, cache):
+    kv_dtype, triton_type, convert = FP8_CONVERT[arch]
+    backend = registered()["triton_rocm"]
+    assert backend.FP8_KV_ARCHS[kv_dtype] == (arch,)
+    kinds = (frozenset({"kvcache", kv_dtype}),)
+    fp8 = [v for v in backend.variants([arch], dtypes=("bf16",), head_dims=(128,), causal=(True,), features=kinds)
+           if v.family == "kvcache"]
+    assert fp8 and all(v.kv_dtype == kv_dtype for v in fp8)
+    for variant in fp8[:2]:  # contiguous and paged
+        (build, *_) = backend.builds(variant)
+        assert dict(build.constexprs)["FP8_KV"] is True
+        assert {("K", f"*{triton_type}"), ("V", f"*{triton_type}"), ("DESCALE", "*fp32")} <= set(build.signature)
+        meta, _ = triton_aot.build_cached(build, cache, keep_asm=True)
+        asm = (cache / meta["key"] / "kernel.amdgcn").read_text()
+        assert asm.count(convert) >= 32, build.name()  # a 64 x 128 tile of K and of V, two elements at a time
+        assert any(i.startswith("v_mfma_f32_") for i in meta["instructions"]), meta["instructions"]
+        if triton.__version__.startswith(SPILL_CHECKED_WITH + "."):
+            assert meta["stack_bytes"] == 0 and meta["vgpr_spills"] == 0, f"{build.name()}: {meta}"
+    other = "fp8" if kv_dtype == "fp8_fnuz" else "fp8_fnuz"  # the other format is not built for this arch
+    assert not [v for v in backend.variants([arch], dtypes=("bf16",), head_dims=(128,),
+                                            features=(frozenset({"kvcache", other}),)) if v.family == "kvcache"]
+    assert not [v for v in backend.variants(["gfx90a"], dtypes=("bf16",), head_dims=(128,), features=kinds)
+                if v.family == "kvcache"]  # CDNA2 has no fp8
