@@ -46,7 +46,8 @@ def _explain(args) -> int:
                            kv_heads=args.kv_heads, causal=args.causal, dropout_p=args.dropout_p,
                            needs_grad=args.needs_grad, return_lse=args.return_lse, backend=args.backend,
                            window_size=args.window_size, softcap=args.softcap, sinks=args.sinks, alibi=args.alibi,
-                           deterministic=args.deterministic, varlen=args.varlen)
+                           deterministic=args.deterministic, varlen=args.varlen, kv_cache=args.kv_cache,
+                           kv_dtype=args.kv_dtype, page_size=args.page_size)
     print(json.dumps(decision.to_dict(), indent=2) if args.json else decision)
     return 0 if decision.ok else 1
 
@@ -460,6 +461,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alibi", action="store_true", help="ALiBi slopes")
     p.add_argument("--varlen", action="store_true", help="a packed batch (attention_varlen): --batch sequences, the "
                                                          "longest of --seqlen-q queries and --seqlen-k keys")
+    p.add_argument("--kv-cache", choices=("contiguous", "paged"), default="",
+                   help="a call of attention_with_kvcache against this cache: --seqlen-q new queries, --seqlen-k the "
+                        "longest sequence's cached keys")
+    p.add_argument("--kv-dtype", choices=("fp8", "fp8_fnuz"), default="",
+                   help="with --kv-cache: a cache in float8_e4m3fn (fp8) or float8_e4m3fnuz (fp8_fnuz); default q's "
+                        "dtype")
+    p.add_argument("--page-size", type=int, default=0, help="with --kv-cache paged: positions per page")
     p.add_argument("--dropout-p", type=float, default=0.0)
     p.add_argument("--needs-grad", action="store_true", help="also decide the backward")
     p.add_argument("--deterministic", action="store_true", help="the backward must be bitwise reproducible")

@@ -215,3 +215,20 @@ def test_build_lists_the_varlen_kernels(capsys):
         assert f"{kernel}.sm90.bf16.d128.causal.varlen" in listed
     assert "preprocess_kernel.sm90.bf16.d128.full.varlen" in listed and "8 kernels" in listed  # beside the plain 4
     assert "fwd_m128_n64_w8_s3_ptr.fwd_kernel.sm90.bf16.d128.causal.varlen" in listed  # pointer loads
+
+
+def test_explain_takes_a_kv_cache(capsys):
+    """A decode step against a paged e4m3fnuz cache on an MI300X: triton_rocm's fp8 KV-cache kernel; on an H100 the
+    same cache has no kernel of its own (NVIDIA converts no e4m3fnuz), and the decision says so."""
+    decode = ["explain", "--dtype", "bf16", "--head-dim", "128", "--seqlen-q", "1", "--seqlen-k", "8192",
+              "--heads", "32", "--kv-heads", "8", "--causal", "--kv-cache", "paged", "--page-size", "64",
+              "--kv-dtype", "fp8_fnuz"]
+    assert main([*decode, "--device", "MI300X"]) == 0
+    out = capsys.readouterr().out
+    assert "paged fp8_fnuz kv cache (page 64)" in out and "forward : triton_rocm" in out and "fp8 (e4m3fnuz) cache" in out
+    assert main([*decode, "--device", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert "forward : reference" in out and "an fp8 (e4m3fnuz) KV cache is not supported" in out
+    with pytest.raises(SystemExit) as exit_:  # not a cache format: argparse's usage error
+        main([*decode, "--device", "H100", "--kv-dtype", "fp16"])
+    assert exit_.value.code == 2 and "invalid choice: 'fp16'" in capsys.readouterr().err
