@@ -6,7 +6,8 @@ head) alone and with all three; automatic dispatch's training (this forward and 
 forward's LSE) on one case per feature; the backward forced, with windows, softcap and ALiBi at d=64, 128 and 256, and
 at d=80 and 192 (the 128 and 256 kernels with zero-filled columns); the head-dim-256 kernel's feature forms are served
 here whatever bwd_variants.SPLIT_HEAD_DIM_FEATURES_SERVED says, these tests being what its serving waits for, and so
-is d=128's 80-row tile for calls without a mask or window (UNMASKED_ONLY_SERVED)."""
+is d=128's 80-row tile for calls without a mask or window (UNMASKED_ONLY_SERVED); the same feature backwards at d=64,
+128 and 80 with the flat_dq tiles as they are (FLAT_DQ_FEATURES_SERVED set for the test), which that flag waits for."""
 
 import math
 
@@ -200,9 +201,31 @@ def test_forced_softcap_and_alibi_backward_matches_fp64(case, head_dim, gen, poi
     check_forced_backward(case, head_dim, gen)
 
 
-def check_forced_backward(case, head_dim, gen):
+@pytest.fixture
+def flat_features_served(monkeypatch):
+    """The flat_dq tiles serve calls with a window, softcap or ALiBi as they are (bwd_variants.FLAT_DQ_FEATURES_SERVED),
+    these tests being what that waits for."""
+    monkeypatch.setattr(bwd_variants, "FLAT_DQ_FEATURES_SERVED", True)
+    clear_caches()
+    yield
+    clear_caches()  # (the flag is restored after this: no Decision made with it outlives the test)
+
+
+# the head dims whose table tiles stage dQ flat: the 64 and 128 kernels, and 80 on the 128 one (zero-filled columns)
+FLAT_FEATURE_HEAD_DIMS = [64, 128, 80]
+FLAT_FEATURE_BACKWARD = [(*case[:7], 0.0, case[7]) for case in WINDOW_BACKWARD] + FEATURE_BACKWARD
+
+
+@pytest.mark.parametrize("head_dim", FLAT_FEATURE_HEAD_DIMS)
+@pytest.mark.parametrize("case", FLAT_FEATURE_BACKWARD, ids=str)
+def test_forced_feature_backward_with_flat_dq_matches_fp64(case, head_dim, gen, poisoned_empty, flat_features_served):
+    check_forced_backward(case, head_dim, gen, flat_dq=True)
+
+
+def check_forced_backward(case, head_dim, gen, flat_dq=None):
     """cute_sm90's forward and backward forced on a CASES-style case (bf16): gradients against fp64 math (dsinks from
-    the call's own output and LSE), gradients NaN-poisoned where the host allocates them (poisoned_empty)."""
+    the call's own output and LSE), gradients NaN-poisoned where the host allocates them (poisoned_empty); ``flat_dq``
+    (not None): whether the backward's tile must stage dQ flat."""
     b, hq, hkv, nq, nk, causal, window, cap, with_sinks = case[:9]
     slopes = slopes_for(case, gen)
     q, k, v = (torch.randn(b, h, n, head_dim, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
@@ -214,6 +237,7 @@ def check_forced_backward(case, head_dim, gen):
     variant = decision.backward.variant
     assert decision.backward.backend == "cute_sm90", decision
     assert (variant.window, variant.softcap, variant.alibi) == (window != (-1, -1), bool(cap), slopes is not None)
+    assert flat_dq is None or variant.tile.flat_dq == flat_dq, variant
     dout = torch.randn(out.shape, generator=gen).to("cuda", torch.bfloat16)
     grads = torch.autograd.grad(out, (q, k, v) if sinks is None else (q, k, v, sinks), dout)
     assert not any(g.isnan().any() for g in grads), "an unwritten gradient element (or a wrong one)"
