@@ -38,8 +38,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``len + i - seqlen_q`` of the ``len`` keys it attends; ``window_size``, ``softcap`` and ``sinks`` are
     attention()'s. ``num_splits``: how many chunks each sequence's keys are split into (flash-decoding); 0 lets
     the backend choose from the multiprocessor count. Returns the output (batch, seqlen_q, heads_q, head_dim_v),
-    and with ``return_lse`` the LSE (batch, heads_q, seqlen_q) fp32. No backward (as flash-attn's); not under
-    torch.compile yet.
+    and with ``return_lse`` the LSE (batch, heads_q, seqlen_q) fp32. No backward (as flash-attn's). Under
+    torch.compile(fullgraph=True) the call is one custom op (``attnforge::attention_with_kvcache``, or
+    ``attention_with_kvcache_append`` with new ``k``, ``v``: a mutation of the caches), which reads and checks the
+    lengths when the graph runs and decides as an eager call would.
 
     An fp8 cache: ``k_cache`` and ``v_cache`` float8_e4m3fn, or float8_e4m3fnuz (AMD CDNA3's fp8), with fp16/bf16
     ``q`` (and new ``k``, ``v`` in the cache's dtype too, quantised by the caller); ``k_descale`` and ``v_descale``
@@ -53,11 +55,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     not there, gets NaN rows; appends are clamped into the cache. The keys are split for the cache's capacity
     rather than the longest sequence then.
     """
-    if torch.compiler.is_compiling():
-        raise InvalidInputError("attention_with_kvcache inside torch.compile is not supported yet (it reads the "
-                                "cache lengths on the host); call it eagerly")
     _check_tensors(q, k_cache, v_cache, k, v)
-    descale = _descales(q, k_cache, k_descale, v_descale)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):
         raise InvalidInputError("attention_with_kvcache has no backward (as flash-attn's): call it under "
                                 "torch.no_grad(), or use attention() or attention_varlen() to train")
@@ -69,6 +67,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     softcap = check_softcap(softcap)
     if sinks is not None:
         check_sinks(sinks, q, "bshd")
+    if torch.compiler.is_compiling():
+        return _traced(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal, scale, window_size,
+                       softcap, sinks, num_splits, return_lse, backend, check_inputs, k_descale, v_descale)
+    descale = _descales(q, k_cache, k_descale, v_descale)
     batch, seqlen_q, heads_q, head_dim = q.shape
     paged = block_table is not None
     pages = k_cache.shape[0]
@@ -110,6 +112,28 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 check_scale(scale, head_dim), mask, softcap=softcap, sinks=sinks, cache=cache)
     out, lse = get(decision.forward.backend).forward(decision.forward.variant, call)
     out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def _traced(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, causal, scale, window_size, softcap,
+            sinks, num_splits, return_lse, backend, check_inputs, k_descale, v_descale):
+    """Under torch.compile: the call as one custom op (op.attention_with_kvcache_op, or its _append form, which
+    writes k and v into the caches), which runs this function eagerly when the graph runs: the lengths and pages
+    are read and checked then, never while tracing."""
+    from . import op
+
+    if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
+        tensor, value = cache_seqlens, -1
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and cache_seqlens >= 0:
+        tensor, value = None, cache_seqlens
+    else:
+        raise InvalidInputError(f"cache_seqlens must be an int >= 0 or an int32 (batch,) tensor, got {cache_seqlens!r}")
+    args = (tensor, value, block_table, cache_leftpad, bool(causal), scale, *window_size, softcap, sinks, num_splits,
+            check_inputs, k_descale, v_descale, backend)
+    if k is None:
+        out, lse = op.attention_with_kvcache_op(q, k_cache, v_cache, *args)
+    else:
+        out, lse = op.attention_with_kvcache_append_op(q, k_cache, v_cache, k, v, *args)
     return (out, lse) if return_lse else out
 
 

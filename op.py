@@ -278,3 +278,72 @@ def _varlen_backward(ctx, dout, dlse):
 
 attention_varlen_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 attention_varlen_backward_op.register_autograd(_double_backward, setup_context=_backward_setup_context)
+
+
+# attention_with_kvcache as custom ops: the lengths, left pads and block table are read on the host when the graph
+# runs (the real op calls the eager function, which checks them as an eager call does), never while tracing. Two ops,
+# so that only a call that appends new keys and values is a mutation of the caches for the compiler (a read-only op
+# lets it keep the caches as they are; a mutating one it must order, or copy where it cannot reinplace). No autograd:
+# attention_with_kvcache has no backward (as flash-attn's).
+
+def _kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, seqlens_value, block_table, cache_leftpad, causal, scale,
+                     window_left, window_right, softcap, sinks, num_splits, check_inputs, k_descale, v_descale,
+                     backend):
+    from .kvcache import attention_with_kvcache
+
+    out, lse = attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens if cache_seqlens is not None else (
+            None if seqlens_value < 0 else seqlens_value), block_table=block_table, cache_leftpad=cache_leftpad,
+        causal=causal, scale=scale, window_size=(window_left, window_right), softcap=softcap, sinks=sinks,
+        num_splits=num_splits, return_lse=True, backend=backend, check_inputs=check_inputs, k_descale=k_descale,
+        v_descale=v_descale)
+    return out.contiguous(), lse.contiguous()
+
+
+def _kvcache_fake(q, v_cache):
+    # contiguous, as the real op returns them: out (batch, seqlen_q, heads_q, dim_v) in q's dtype, LSE fp32
+    return (q.new_empty((*q.shape[:3], v_cache.shape[3])),
+            q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32))
+
+
+@torch.library.custom_op("attnforge::attention_with_kvcache", mutates_args=())
+def attention_with_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              cache_seqlens: Optional[torch.Tensor], seqlens_value: int,
+                              block_table: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor], causal: bool,
+                              scale: Optional[float], window_left: int, window_right: int, softcap: float,
+                              sinks: Optional[torch.Tensor], num_splits: int, check_inputs: bool,
+                              k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+                              backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, LSE) of attention_with_kvcache without new keys (the caches are read only), by the Decision an eager
+    call would take. ``cache_seqlens`` a (batch,) int32 tensor, or None with ``seqlens_value`` the int given (-1:
+    none given, the whole cache)."""
+    return _kvcache_forward(q, k_cache, v_cache, None, None, cache_seqlens, seqlens_value, block_table, cache_leftpad,
+                            causal, scale, window_left, window_right, softcap, sinks, num_splits, check_inputs,
+                            k_descale, v_descale, backend)
+
+
+@attention_with_kvcache_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, seqlens_value, block_table, cache_leftpad, causal, scale, window_left,
+      window_right, softcap, sinks, num_splits, check_inputs, k_descale, v_descale, backend):
+    return _kvcache_fake(q, v_cache)
+
+
+@torch.library.custom_op("attnforge::attention_with_kvcache_append", mutates_args=("k_cache", "v_cache"))
+def attention_with_kvcache_append_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                                     v: torch.Tensor, cache_seqlens: Optional[torch.Tensor], seqlens_value: int,
+                                     block_table: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
+                                     causal: bool, scale: Optional[float], window_left: int, window_right: int,
+                                     softcap: float, sinks: Optional[torch.Tensor], num_splits: int,
+                                     check_inputs: bool, k_descale: Optional[torch.Tensor],
+                                     v_descale: Optional[torch.Tensor],
+                                     backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_with_kvcache_op with new keys ``k`` and values ``v`` written into the caches in place first."""
+    return _kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, seqlens_value, block_table, cache_leftpad,
+                            causal, scale, window_left, window_right, softcap, sinks, num_splits, check_inputs,
+                            k_descale, v_descale, backend)
+
+
+@attention_with_kvcache_append_op.register_fake
+def _(q, k_cache, v_cache, k, v, cache_seqlens, seqlens_value, block_table, cache_leftpad, causal, scale, window_left,
+      window_right, softcap, sinks, num_splits, check_inputs, k_descale, v_descale, backend):
+    return _kvcache_fake(q, v_cache)

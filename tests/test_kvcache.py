@@ -126,3 +126,55 @@ def test_explain_says_what_serves_a_paged_decode_on_a_gpu_not_here():
     assert "KV cache is not supported" in str(decision)  # why the others cannot
     with pytest.raises(InvalidInputError, match="kv_cache must be one of"):
         attnforge.explain(dtype="bf16", head_dim=128, seqlen_q=1, kv_cache="ring")
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_compiled_decode_appends_and_attends_as_eager(layout, compiler, gen):
+    """A decode step (append one token, attend) and a read-only call under torch.compile(fullgraph=True): one custom
+    op each, whose lengths are read when the graph runs (new lengths in the same tensor give their answer), with the
+    caches written as an eager call writes them and outputs bitwise equal to eager's."""
+    lengths = [5, 0, 17]
+    k_cache, v_cache = caches(gen, lengths)
+    table = None
+    if layout == "paged":
+        k_cache, v_cache, table = paged(k_cache, v_cache, gen)
+    q = torch.randn(B, 1, HQ, D, generator=gen)
+    k_new, v_new = (torch.randn(B, 1, HKV, D, generator=gen) for _ in range(2))
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, k_new, v_new, seqlens, table):
+        out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                                    block_table=table, causal=True, scale=0.3, return_lse=True)
+        again = attnforge.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens + 1, block_table=table,
+                                                 causal=True, scale=0.3)  # read-only, after the append
+        return out, lse, again
+
+    compiled = torch.compile(step, fullgraph=True, backend=compiler)
+    caches_eager = k_cache.clone(), v_cache.clone()
+    for grown in (0, 1):  # two decode steps; the same seqlens tensor, advanced in place, is read when the graph runs
+        want = step(q, *caches_eager, k_new, v_new, seqlens, table)
+        got = compiled(q, k_cache, v_cache, k_new, v_new, seqlens, table)
+        decision = attnforge.last_decision()
+        assert decision.problem.kv_cache == layout and decision.problem.seqlen_k == max(lengths) + grown + 1
+        assert got[0].isfinite().all() and torch.equal(got[2], got[0])  # the read-only call sees the appended token
+        for name, g, w in zip(("out", "lse", "read-only out"), got, want):
+            assert torch.equal(g, w), name
+        assert torch.equal(k_cache.nan_to_num(7.0), caches_eager[0].nan_to_num(7.0))  # appended alike, NaN kept
+        assert torch.equal(v_cache.nan_to_num(7.0), caches_eager[1].nan_to_num(7.0))
+        seqlens += 1
+
+
+@pytest.mark.parametrize("appends", [False, True])
+def test_opcheck_kvcache_ops(appends, gen):
+    k_cache, v_cache = caches(gen, [5, 0, 17])
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)  # (opcheck compares caches without equal_nan)
+    q = torch.randn(B, 2, HQ, D, generator=gen)
+    tail = (torch.tensor([5, 0, 17], dtype=torch.int32), -1, None, None, True, 0.3, -1, -1, 0.0, None, 0, True, None,
+            None, None)
+    if appends:
+        new = tuple(torch.randn(B, 2, HKV, D, generator=gen) for _ in range(2))
+        torch.library.opcheck(torch.ops.attnforge.attention_with_kvcache_append.default,
+                              (q, k_cache, v_cache, *new, *tail))
+    else:
+        torch.library.opcheck(torch.ops.attnforge.attention_with_kvcache.default, (q, k_cache, v_cache, *tail))
