@@ -232,3 +232,15 @@ def test_explain_takes_a_kv_cache(capsys):
     with pytest.raises(SystemExit) as exit_:  # not a cache format: argparse's usage error
         main([*decode, "--device", "H100", "--kv-dtype", "fp16"])
     assert exit_.value.code == 2 and "invalid choice: 'fp16'" in capsys.readouterr().err
+
+
+def test_build_an_fp8_cache_format_the_arch_does_not_convert(capsys):
+    """Forced to one backend, a cache format its arch has no kernel for is an error that names it; with every
+    backend it is left out (the call falls back when it comes)."""
+    fnuz = ["build", "--head-dim", "128", "--dtype", "bf16", "--features", "kvcache+fp8_fnuz", "--list"]
+    assert main([*fnuz, "--target", "sm90", "--backend", "triton_fa2"]) == 2
+    assert "an fp8 (e4m3fnuz) KV cache has no kernel here" in capsys.readouterr().err
+    assert main([*fnuz, "--target", "gfx942", "--backend", "triton_rocm"]) == 0
+    assert "fp8_kv" in capsys.readouterr().out
+    assert main([*fnuz, "--target", "gfx950", "--backend", "triton_rocm"]) == 2
+    assert "(converted in hardware on gfx942)" in capsys.readouterr().err

@@ -246,9 +246,20 @@ class TritonFA2Backend(Backend):
                             out.append(variant)
                     for flag, kinds, rows, paged in itertools.product(causal, kv_sets, KV_ROWS, (False, True)):
                         variant = self._kvcache_variant(arch, head_dim, dtype, flag, rows, paged, kinds)
+                        if variant is None and strict and self._fp8_kv_reason(arch, kinds):
+                            raise ValueError(f"{self.name} {arch}: {self._fp8_kv_reason(arch, kinds)}")
                         if variant is not None and variant not in out:
                             out.append(variant)
         return out
+
+    def _fp8_kv_reason(self, arch: str, kinds: frozenset) -> str:
+        """Why ``arch`` has no KV-cache kernel for the fp8 cache format in ``kinds`` ("": it has, or none asked)."""
+        kv_dtype = next((name for name in KV_DTYPES if name and name in kinds), "")
+        archs = self.FP8_KV_ARCHS.get(kv_dtype, ())
+        if not kv_dtype or arch in archs:
+            return ""
+        return (f"an {KV_DTYPE_WORDS[kv_dtype]} KV cache has no kernel here (converted in hardware on "
+                f"{', '.join(archs) or 'no arch it builds for'})")
 
     def _kvcache_variant(self, arch: str, head_dim: int, dtype: str, causal: bool, rows: int, paged: bool,
                          kinds: frozenset) -> TritonVariant | None:
@@ -257,7 +268,7 @@ class TritonFA2Backend(Backend):
         the archs that convert it)."""
         tile, _ = variants.kv_tile(self._table("kvcache-paged" if paged else "kvcache"), arch, head_dim, rows)
         kv_dtype = next((name for name in KV_DTYPES if name and name in kinds), "")
-        if tile is None or (kv_dtype and arch not in self.FP8_KV_ARCHS.get(kv_dtype, ())):
+        if tile is None or self._fp8_kv_reason(arch, kinds):
             return None
         return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, head_dim, dtype, causal,
                              local="window" in kinds, softcap="softcap" in kinds, sinks="sinks" in kinds, paged=paged,
