@@ -146,3 +146,37 @@ def test_fp8_kvcache_on_the_gpu(case, page_size, dtype, gen, poisoned_empty):
         ulps = 4 * math.sqrt(max(end, head_dim))
         assert_close(f"out[{b}]", out[b].transpose(0, 1).unsqueeze(0), ref, peer, ulps=ulps)
         assert_close(f"lse[{b}]", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ulps)
+
+
+@pytest.mark.parametrize("page_size", [0, 64], ids=lambda p: f"page{p}" if p else "contiguous")
+def test_compiled_decode_steps_match_eager_on_the_gpu(page_size, gen):
+    """Two decode steps (append one token, attend; GQA 32/8, d=128, bf16) under torch.compile(fullgraph=True,
+    inductor): the custom op runs triton_fa2's kernel, and outputs, LSEs and caches are bitwise eager's."""
+    lengths, d = [1023, 0, 17], 128
+    k_cache, v_cache = cache_pair(gen, lengths, 1280, 8, d, torch.bfloat16)
+    table = None
+    if page_size:
+        per_seq = 1280 // page_size
+        pool = len(lengths) * per_seq + 3
+        table = torch.randperm(pool, generator=gen)[:len(lengths) * per_seq].to(torch.int32).view(len(lengths), -1)
+        k_cache, v_cache = (to_pages(c, table.cuda(), page_size, pool) for c in (k_cache, v_cache))
+        table = table.cuda()
+    q = torch.randn(len(lengths), 1, 32, d, generator=gen).to("cuda", torch.bfloat16)
+    k_new, v_new = (torch.randn(len(lengths), 1, 8, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+    def step(q, k_cache, v_cache, k_new, v_new, seqlens, table):
+        return attnforge.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                                block_table=table, causal=True, return_lse=True)
+
+    compiled = torch.compile(step, fullgraph=True)
+    eager_caches = k_cache.clone(), v_cache.clone()
+    for _ in range(2):
+        want = step(q, *eager_caches, k_new, v_new, seqlens, table)
+        got = compiled(q, k_cache, v_cache, k_new, v_new, seqlens, table)
+        assert attnforge.last_decision().forward.backend == "triton_fa2"
+        assert got[0].isfinite().all()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(k_cache.nan_to_num(7.0), eager_caches[0].nan_to_num(7.0))
+        assert torch.equal(v_cache.nan_to_num(7.0), eager_caches[1].nan_to_num(7.0))
+        seqlens += 1
