@@ -179,7 +179,10 @@ def _causal_mask(causal, window_size=_UNBOUNDED) -> Mask:
     causal = check_causal(causal)
     if window_size.__class__ is tuple and window_size == _UNBOUNDED:
         return CAUSAL if causal else NONE
-    return _window_mask(causal, _check_window(window_size))
+    window = _check_window(window_size)
+    if torch.compiler.is_compiling():  # (Dynamo traces through an lru_cache with a warning: build the Mask there)
+        return _window_mask.__wrapped__(causal, window)
+    return _window_mask(causal, window)
 
 
 def _check_window(window_size) -> tuple[int, int]:

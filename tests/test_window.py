@@ -161,3 +161,18 @@ def test_compiled_window_matches_eager(gen):
     for g, e in zip(grads, torch.autograd.grad(eager, (q, k, v), dout)):
         torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+def test_a_compiled_window_call_traces_without_dynamo_warnings(gen):
+    """Dynamo warns when it traces through an lru_cache-wrapped function; the window's Mask is built without one
+    while tracing (a model compiled with sliding windows shows no warning)."""
+    import warnings
+
+    q, k, v = (torch.randn(1, 2, 37, 16, generator=gen) for _ in range(3))
+    fn = torch.compile(lambda q, k, v: attnforge.attention(q, k, v, causal=True, window_size=(7, 0)), fullgraph=True,
+                       backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(q, k, v)
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]
+    torch.testing.assert_close(out, attnforge.attention(q, k, v, causal=True, window_size=(7, 0)), atol=0, rtol=0)
