@@ -141,8 +141,9 @@ def test_a_sliding_window_model_generates_the_same_tokens(gen):
     same logits at every step as transformers' sdpa path."""
     ref, ours = pair(transformers.MistralForCausalLM, transformers.MistralConfig(sliding_window=8, **TINY))
     prompt = torch.randint(1, 128, (2, 11), generator=gen)
-    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=9, do_sample=False, output_logits=True,
-              return_dict_in_generate=True)
+    # min_new_tokens: every decode step runs (a random model may pick its end-of-sequence token in both rows)
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=9, min_new_tokens=9, do_sample=False,
+              output_logits=True, return_dict_in_generate=True)
     expected = ref.generate(prompt, **kw)
     attnforge.dispatch.clear_caches()
     got = ours.generate(prompt, **kw)
