@@ -17,6 +17,7 @@ from ._version import __version__
 from .backends.reference import math_attention
 from .dispatch import PROFILES, Problem, detect, priority, registered
 from .dispatch.priority import PLANNED_BACKENDS
+from .dispatch.problem import KV_DTYPES
 from .errors import AttnforgeError, InvalidInputError
 
 
@@ -464,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache", choices=("contiguous", "paged"), default="",
                    help="a call of attention_with_kvcache against this cache: --seqlen-q new queries, --seqlen-k the "
                         "longest sequence's cached keys")
-    p.add_argument("--kv-dtype", choices=("fp8", "fp8_fnuz"), default="",
+    p.add_argument("--kv-dtype", choices=[name for name in KV_DTYPES if name], default="",
                    help="with --kv-cache: a cache in float8_e4m3fn (fp8) or float8_e4m3fnuz (fp8_fnuz); default q's "
                         "dtype")
     p.add_argument("--page-size", type=int, default=0, help="with --kv-cache paged: positions per page")

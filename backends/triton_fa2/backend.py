@@ -29,6 +29,11 @@ from . import aot, variants
 KV_ROWS = (16, 64)
 
 
+def _kv_dtype_in(kinds: frozenset) -> str:
+    """The fp8 cache format (Problem.kv_dtype) a build's feature set names, or "" (none)."""
+    return next((name for name in KV_DTYPES if name and name in kinds), "")
+
+
 def interpreting() -> bool:
     """Whether Triton's interpreter runs the kernels (TRITON_INTERPRET as Triton itself reads it)."""
     return triton_interpret()
@@ -246,15 +251,15 @@ class TritonFA2Backend(Backend):
                             out.append(variant)
                     for flag, kinds, rows, paged in itertools.product(causal, kv_sets, KV_ROWS, (False, True)):
                         variant = self._kvcache_variant(arch, head_dim, dtype, flag, rows, paged, kinds)
-                        if variant is None and strict and self._fp8_kv_reason(arch, kinds):
-                            raise ValueError(f"{self.name} {arch}: {self._fp8_kv_reason(arch, kinds)}")
+                        missing = variant is None and strict and self._fp8_kv_reason(arch, _kv_dtype_in(kinds))
+                        if missing:
+                            raise ValueError(f"{self.name} {arch}: {missing}")
                         if variant is not None and variant not in out:
                             out.append(variant)
         return out
 
-    def _fp8_kv_reason(self, arch: str, kinds: frozenset) -> str:
-        """Why ``arch`` has no KV-cache kernel for the fp8 cache format in ``kinds`` ("": it has, or none asked)."""
-        kv_dtype = next((name for name in KV_DTYPES if name and name in kinds), "")
+    def _fp8_kv_reason(self, arch: str, kv_dtype: str) -> str:
+        """Why ``arch`` has no KV-cache kernel for the fp8 cache format ``kv_dtype`` ("": it has, or none asked)."""
         archs = self.FP8_KV_ARCHS.get(kv_dtype, ())
         if not kv_dtype or arch in archs:
             return ""
@@ -267,8 +272,8 @@ class TritonFA2Backend(Backend):
         "window", "softcap", "sinks", and "fp8" or "fp8_fnuz": an fp8 cache of that format (Problem.kv_dtype), on
         the archs that convert it)."""
         tile, _ = variants.kv_tile(self._table("kvcache-paged" if paged else "kvcache"), arch, head_dim, rows)
-        kv_dtype = next((name for name in KV_DTYPES if name and name in kinds), "")
-        if tile is None or self._fp8_kv_reason(arch, kinds):
+        kv_dtype = _kv_dtype_in(kinds)
+        if tile is None or self._fp8_kv_reason(arch, kv_dtype):
             return None
         return TritonVariant("kvcache", tile, self.templates["kvcache"], arch, head_dim, dtype, causal,
                              local="window" in kinds, softcap="softcap" in kinds, sinks="sinks" in kinds, paged=paged,
