@@ -1,8 +1,12 @@
 # Sourced by the benchmarks/run_*.sh scripts on a GPU machine, with OUTDIR as its argument: the CuTe DSL and
-# FlashAttention-4 where bundled (.gpu/setup.sh; its report into OUTDIR/setup.log) and, where attnforge is not
-# installed, the checkout on PYTHONPATH under the package's name (the repository root is the package).
+# FlashAttention-4 where bundled (.gpu-libs/setup.sh, then .gpu/setup.sh; their report into OUTDIR/setup.log) and,
+# where attnforge is not installed, the checkout on PYTHONPATH under the package's name (the repository root is the
+# package). The bundle may come in two parts, the DSL's CUDA libraries (.gpu-libs) and the wheels (.gpu), when both
+# with the checkout exceed what one copy to the machine holds: each part installs once per machine into /tmp/site.
 export PYTHONUNBUFFERED=1
-[ -f .gpu/setup.sh ] && source .gpu/setup.sh >"$1/setup.log" 2>&1
+: >"$1/setup.log"
+for _setup in .gpu-libs/setup.sh .gpu/setup.sh; do [ -f $_setup ] && source $_setup >>"$1/setup.log" 2>&1; done
+unset _setup
 if ! python3 -c "import attnforge" 2>/dev/null; then
   mkdir -p /tmp/attnforge-src && ln -sfn "$PWD" /tmp/attnforge-src/attnforge
   export PYTHONPATH=/tmp/attnforge-src${PYTHONPATH:+:$PYTHONPATH}
