@@ -126,6 +126,9 @@ class Sm90BwdTile:
     # dK's WGMMA issued before dQ's, so that Q is released (and the next block's Q loaded) while dQ's runs
     # (DK_BEFORE_DQ in the template), for tiles with one Q stage
     dk_before_dq: bool = False
+    # dO's stage released once dV's WGMMA is done, before dK's is issued (EARLY_DO_RELEASE in the template;
+    # FlashAttention-4's sm90 order), not after dQ's too; for tiles that issue dQ before dK
+    early_do_release: bool = False
     # the unmasked step's code placed first in the query-block loop (UNMASKED_FIRST in the template): ptxas gives the
     # step it meets second 65-101 more instructions (its WGMMA descriptors rebuilt with 32-bit adds), so that one
     # should be the rarer, masked step
@@ -156,6 +159,7 @@ class Sm90BwdTile:
                                                     (self.ds_key_major, "_dk"), (self.tma_store_dkv, "_ts"),
                                                     (self.dq_transposed, "_dt"), (self.dv_ahead, "_dv"),
                                                     (self.shared_dq_staging, "_sq"), (self.dk_before_dq, "_kq"),
+                                                    (self.early_do_release, "_er"),
                                                     (self.unmasked_first, "_uf"), (self.k_first, "_kf"),
                                                     (self.flat_dq, "_fq")) if on)
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"o{self.dout_stages}")
@@ -204,6 +208,7 @@ class Sm90BwdTile:
                                                 (self.dv_ahead, ", dV ahead of dS"),
                                                 (self.shared_dq_staging, ", one dQ staging buffer"),
                                                 (self.dk_before_dq, ", dK before dQ"),
+                                                (self.early_do_release, ", dO released after dV"),
                                                 (self.unmasked_first, ", unmasked step first"),
                                                 (self.k_first, ", K before the first Q"),
                                                 (self.flat_dq, ", dQ staged flat")) if on)
@@ -240,6 +245,8 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
         reasons.append(f"tile_n {tile.tile_n} != 128 (two consumer warpgroups of 64 keys)")
     if min(tile.q_stages, tile.dout_stages) < 1:
         reasons.append(f"{tile.q_stages} Q and {tile.dout_stages} dO stages: each needs at least one")
+    if tile.early_do_release and tile.dk_before_dq:
+        reasons.append("early_do_release releases dO before dK is issued, which dk_before_dq issues ahead of dQ")
     if tile.dv_ahead and not tile.split_head_dim:
         reasons.append("dv_ahead issues dV from P^T in shared memory, which only split_head_dim stores there")
     if tile.dq_transposed:

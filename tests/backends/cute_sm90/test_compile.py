@@ -641,3 +641,23 @@ def test_flat_dq_stages_by_128_bit_stores_and_one_bulk_reduce_add(tmp_path, head
     along_n = tile.tile_m if tile.dq_transposed else head_dim // (1 if tile.tile_m == 128 else 2)
     assert len(re.findall(r"\bSTS\.128\b", sass)) == 2 * along_n // 8, along_n
     assert "UTMAREDG" not in sass and len(re.findall(r"\bUBLKRED\.G\.S\.ADD\.F32", sass)) == 2
+
+
+# early_do_release, an option benchmarks/sweep_bwd_sm90.py --twin early_do_release times beside the table's tiles: dO's
+# stage released once dV's WGMMA is done and before dK's is issued, which takes one WGMMA wait more in each copy of the
+# step (the wait for dV, then the one for dQ), with nothing spilled
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_early_do_release_waits_for_dv_before_issuing_dk(tmp_path, head_dim):
+    tile = bwd_variants.table_tile(head_dim, masked=True)[0]
+    waits = {}
+    for on in (False, True):
+        twin = dataclasses.replace(tile, early_do_release=on)
+        assert bwd_variants.check(twin, head_dim) == []
+        sass = backward_sass(tmp_path / str(on), Sm90BwdVariant(twin, head_dim, "bf16", True), 0)
+        waits[on] = len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1\b", sass))
+    assert waits[True] == waits[False] + 2, waits
+
+
+def test_early_do_release_is_for_tiles_that_issue_dq_first():
+    tile = dataclasses.replace(bwd_variants.table_tile(256, masked=True)[0], early_do_release=True)
+    assert tile.dk_before_dq and any("early_do_release" in r for r in bwd_variants.check(tile, 256))
