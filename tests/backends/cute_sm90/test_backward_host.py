@@ -11,6 +11,7 @@ import torch
 from attnforge.backends.cute_sm90 import bwd_variants
 from attnforge.backends.cute_sm90.backward import row_statistics
 from attnforge import explain
+from attnforge.dispatch.select import clear_caches
 from attnforge.testing import run_interpreter_tests
 
 
@@ -91,13 +92,12 @@ def test_d128_takes_80_rows_without_a_mask_and_64_with_one(monkeypatch):
                  backend="cute_sm90")
     assert explain(causal=False, **shape).backward.variant.tile == rows80
     assert explain(causal=True, **shape).backward.variant.tile == masked_tile
-    windowed = explain(causal=False, window_size=(256, 0), **shape).backward.variant.tile  # (dQ tiled: staging_for)
-    assert windowed == dataclasses.replace(masked_tile, flat_dq=False)
+    assert explain(causal=False, window_size=(256, 0), **shape).backward.variant.tile == masked_tile  # (a window masks)
     built = {(v.causal, v.window, v.tile) for v in get("cute_sm90").variants(dtypes=("bf16",), head_dims=(128,),
                                                                                features=(frozenset({"window"}),))
              if isinstance(v, Sm90BwdVariant)}
-    tiled = dataclasses.replace(masked_tile, flat_dq=False)  # the windowed kernels' (staging_for)
-    assert built == {(False, False, rows80), (True, False, masked_tile), (False, True, tiled), (True, True, tiled)}
+    assert built == {(False, False, rows80), (True, False, masked_tile), (False, True, masked_tile),
+                     (True, True, masked_tile)}
 
 
 def test_a_tile_turned_off_says_so(monkeypatch):
@@ -235,17 +235,22 @@ def test_a_flat_dq_tile_takes_no_packed_batch():
     assert not bwd_variants.feature_reasons(tile, window=True, varlen=False, softcap=True, alibi=True)
 
 
+@pytest.mark.parametrize("served", (True, False), ids=("features-served", "features-not-served"))
 @pytest.mark.parametrize("features", [{}, {"window_size": (256, 0)}, {"softcap": 30.0}, {"varlen": True}],
                          ids=("plain", "window", "softcap", "varlen"))
-def test_flat_dq_serves_plain_dense_calls_and_the_others_take_the_tiled_twin(features):
-    """The table's d=64/128 tiles stage dQ flat; a packed batch, and (FLAT_DQ_FEATURES_SERVED off) a window or softcap,
-    run the same tile with dQ through the swizzled tile, and the build compiles that one for them."""
+def test_flat_dq_serves_dense_calls_and_packed_ones_take_the_tiled_twin(features, served, monkeypatch, request):
+    """The table's d=64/128 tiles stage dQ flat; a packed batch, and with FLAT_DQ_FEATURES_SERVED off a window or
+    softcap, run the same tile with dQ through the swizzled tile, and the build compiles that one for them."""
+    monkeypatch.setattr(bwd_variants, "FLAT_DQ_FEATURES_SERVED", served)
+    clear_caches()
+    request.addfinalizer(clear_caches)  # (before the flag is restored: no Decision made with it outlives the test)
     assert all(tile.flat_dq for d in (64, 128) for tile in bwd_variants.BWD[d])
     tile = bwd_variants.BWD[64][0]
     flags = dict(window="window_size" in features, varlen="varlen" in features, softcap="softcap" in features,
                  alibi=False)
     twin = bwd_variants.staging_for(tile, **flags)
-    assert twin == (tile if not features else dataclasses.replace(tile, flat_dq=False))
+    tiled = "varlen" in features or (bool(features) and not served)
+    assert twin == (dataclasses.replace(tile, flat_dq=False) if tiled else tile)
     assert not bwd_variants.feature_reasons(twin, **flags)
     if "varlen" not in features:
         shape = dict(device="H100", dtype="bf16", head_dim=64, seqlen_q=1000, heads=8, needs_grad=True,
