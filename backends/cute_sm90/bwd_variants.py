@@ -314,8 +314,8 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # 454.5/445.0 full, 320.2/321.7 and 322.2/317.7 causal; N=4k 558.0/555.6 full, 492.3/480.5 causal. 16 of 20 faster,
 # +1.9% on average (-1.8% to +7.9%), the full calls in every row; FlashAttention-4 612.9-628.7 at d=128 N=16k full in
 # the same rounds. Its GPU tests passed (115: fp16 and bf16, every kernel head dim and d=96, masked and not,
-# deterministic). Packed batches, and calls with a window, softcap or ALiBi (whose flat kernels have not run on a
-# GPU), take the same tile with dQ through the swizzled tile (staging_for). d=256 keeps it off (not timed there).
+# deterministic). Calls with a window, softcap or ALiBi stage flat too (FLAT_DQ_FEATURES_SERVED, below); packed batches
+# take the same tile with dQ through the swizzled tile (staging_for). d=256 keeps it off (not timed there).
 # k_first (K ahead of the first query block's Q, V after it) beside the d=64 and d=128 tiles, 3 interleaved rounds on
 # an H100 (2026-12-06, benchmarks/results/2026-12-06-h100-k-first/): -1.1% to +1.1% at N=1k and 4k, where it should
 # help most; not taken (a template option for --twin).
