@@ -614,15 +614,22 @@ def test_unmasked_first_orders_the_loops_two_step_copies(tmp_path, variant):
 
 # k_first, an option benchmarks/sweep_bwd_sm90.py --twin k_first times beside the table's tiles: K and V on two stages
 # of their pipeline, V's waited for in the first step, so each copy of the step carries a barrier wait more
-@pytest.mark.parametrize("head_dim", (64, 128, 256))
-def test_k_first_waits_for_v_in_the_first_step(tmp_path, head_dim):
+def twin_counts(tmp_path, head_dim: int, option: str, pattern: str) -> dict[bool, int]:
+    """How often ``pattern`` occurs in the SASS of the table's causal tile for ``head_dim`` with the boolean tile
+    ``option`` off and on (each twin checked valid and compiled without spills)."""
     tile = bwd_variants.table_tile(head_dim, masked=True)[0]
-    waits = {}
+    counts = {}
     for on in (False, True):
-        twin = dataclasses.replace(tile, k_first=on)
+        twin = dataclasses.replace(tile, **{option: on})
         assert bwd_variants.check(twin, head_dim) == []
         sass = backward_sass(tmp_path / str(on), Sm90BwdVariant(twin, head_dim, "bf16", True), 0)
-        waits[on] = len(re.findall(r"SYNCS\.PHASECHK\S*TRYWAIT", sass))
+        counts[on] = len(re.findall(pattern, sass))
+    return counts
+
+
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_k_first_waits_for_v_in_the_first_step(tmp_path, head_dim):
+    waits = twin_counts(tmp_path, head_dim, "k_first", r"SYNCS\.PHASECHK\S*TRYWAIT")
     assert waits[True] > waits[False], waits
 
 
@@ -648,13 +655,7 @@ def test_flat_dq_stages_by_128_bit_stores_and_one_bulk_reduce_add(tmp_path, head
 # step (the wait for dV, then the one for dQ), with nothing spilled
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_early_do_release_waits_for_dv_before_issuing_dk(tmp_path, head_dim):
-    tile = bwd_variants.table_tile(head_dim, masked=True)[0]
-    waits = {}
-    for on in (False, True):
-        twin = dataclasses.replace(tile, early_do_release=on)
-        assert bwd_variants.check(twin, head_dim) == []
-        sass = backward_sass(tmp_path / str(on), Sm90BwdVariant(twin, head_dim, "bf16", True), 0)
-        waits[on] = len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1\b", sass))
+    waits = twin_counts(tmp_path, head_dim, "early_do_release", r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1\b")
     assert waits[True] == waits[False] + 2, waits
 
 
