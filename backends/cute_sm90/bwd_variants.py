@@ -133,6 +133,10 @@ class Sm90BwdTile:
     # step it meets second 65-101 more instructions (its WGMMA descriptors rebuilt with 32-bit adds), so that one
     # should be the rarer, masked step
     unmasked_first: bool = False
+    # each query head's masked and unmasked query blocks in loops of their own in the consumers, and (head, block)
+    # nested loops in the producer and the dQ warp (SPLIT_LOOPS in the template; FlashAttention-3's structure): one
+    # copy of the step per loop and no division per step; not with unmasked_first (the masked range runs first)
+    split_loops: bool = False
     # K loaded on a barrier of its own ahead of the first query block's Q, and V after that Q (K_FIRST in the
     # template): the first S^T = K Q^T waits for K and Q only, not for V too (FlashAttention-4's sm90 load order)
     k_first: bool = False
@@ -160,7 +164,8 @@ class Sm90BwdTile:
                                                     (self.dq_transposed, "_dt"), (self.dv_ahead, "_dv"),
                                                     (self.shared_dq_staging, "_sq"), (self.dk_before_dq, "_kq"),
                                                     (self.early_do_release, "_er"),
-                                                    (self.unmasked_first, "_uf"), (self.k_first, "_kf"),
+                                                    (self.unmasked_first, "_uf"), (self.split_loops, "_sl"),
+                                                    (self.k_first, "_kf"),
                                                     (self.flat_dq, "_fq")) if on)
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"o{self.dout_stages}")
         return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_{stages}{options}"
@@ -210,6 +215,7 @@ class Sm90BwdTile:
                                                 (self.dk_before_dq, ", dK before dQ"),
                                                 (self.early_do_release, ", dO released after dV"),
                                                 (self.unmasked_first, ", unmasked step first"),
+                                                (self.split_loops, ", masked and unmasked loops apart"),
                                                 (self.k_first, ", K before the first Q"),
                                                 (self.flat_dq, ", dQ staged flat")) if on)
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"/{self.dout_stages}")
@@ -247,6 +253,8 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
         reasons.append(f"{tile.q_stages} Q and {tile.dout_stages} dO stages: each needs at least one")
     if tile.early_do_release and tile.dk_before_dq:
         reasons.append("early_do_release releases dO before dK is issued, which dk_before_dq issues ahead of dQ")
+    if tile.split_loops and tile.unmasked_first:
+        reasons.append("split_loops runs the masked query blocks' loop first: unmasked_first does not apply")
     if tile.dv_ahead and not tile.split_head_dim:
         reasons.append("dv_ahead issues dV from P^T in shared memory, which only split_head_dim stores there")
     if tile.dq_transposed:

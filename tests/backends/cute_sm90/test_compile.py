@@ -612,6 +612,39 @@ def test_unmasked_first_orders_the_loops_two_step_copies(tmp_path, variant):
     assert selects[masked_copy] and not selects[1 - masked_copy], selects
 
 
+# split_loops, an option benchmarks/sweep_bwd_sm90.py --twin split_loops times beside the table's tiles: each query
+# head's masked query blocks, then its unmasked ones, in loops of their own (with a window or a packed batch, the masked
+# ones past the window's far edge or a sequence's end in a third), one copy of the step in each; no more spill than the
+# table's tile is allowed in the same form (dense, all features, packed)
+def split_loops_twin(head_dim: int, **features) -> Sm90BwdVariant:
+    tile = bwd_variants.table_tile(head_dim, masked=True)[0]
+    tile = bwd_variants.staging_for(tile, features.get("window", False), features.get("varlen", False),
+                                    features.get("softcap", False), features.get("alibi", False))
+    return Sm90BwdVariant(dataclasses.replace(tile, split_loops=True), head_dim, "bf16", True, **features)
+
+
+SPLIT_LOOPS = [(split_loops_twin(64), 0, 2), (split_loops_twin(128), 0, 2),
+               (split_loops_twin(128, window=True, softcap=True, alibi=True), FEATURE_BWD_SPILL_BYTES[128], 3),
+               (split_loops_twin(64, varlen=True), VARLEN_BWD_SPILL_BYTES[64], 3)]
+
+
+@pytest.mark.parametrize("variant, spill_bytes, copies", SPLIT_LOOPS, ids=[v.name for v, _, _ in SPLIT_LOOPS])
+def test_split_loops_give_each_range_its_own_step(tmp_path, variant, spill_bytes, copies):
+    assert bwd_variants.check(variant.tile, variant.head_dim) == []
+    sass = backward_sass(tmp_path, variant, spill_bytes)
+    # each copy of the step zero-initialises three accumulators (S^T, dP^T, dQ): copies in the loops' order
+    starts = [m.start() for m in re.finditer(r"HGMMA\.\S+ R\d+, gdesc\[UR\d+\]\S*, RZ, !UPT", sass)]
+    assert len(starts) == 3 * copies, len(starts)
+    if not (variant.window or variant.varlen):  # the causal mask's selects in the first (masked) copy only
+        selects = [len(re.findall(r"\bFSEL\b", copy)) for copy in (sass[starts[0]:starts[3]], sass[starts[3]:])]
+        assert selects[0] and not selects[1], selects
+
+
+def test_split_loops_and_unmasked_first_do_not_combine():
+    tile = dataclasses.replace(bwd_variants.table_tile(128, masked=True)[0], split_loops=True, unmasked_first=True)
+    assert any("split_loops" in r for r in bwd_variants.check(tile, 128))
+
+
 # k_first, an option benchmarks/sweep_bwd_sm90.py --twin k_first times beside the table's tiles: K and V on two stages
 # of their pipeline, V's waited for in the first step, so each copy of the step carries a barrier wait more
 def twin_counts(tmp_path, head_dim: int, option: str, pattern: str) -> dict[bool, int]:

@@ -145,6 +145,27 @@ def test_the_k_first_load_order_matches_fp64(shape, head_dim, causal, dtype, gen
     check_gradients(shape, dtype, head_dim, causal, gen, tile=tile)
 
 
+# split_loops (each query head's masked and unmasked query blocks in loops of their own; the producer and dQ warp's
+# loops nested), a template option benchmarks/sweep_bwd_sm90.py --twin split_loops times: the table's tile of each
+# kernel head dim with it (GQA shapes among SHAPES: more than one query head per loop), and its deterministic kernel
+SPLIT_LOOPS = [(d, masked) for d in (*bwd_variants.KERNEL_HEAD_DIMS, 96) for masked in (False, True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, causal", SPLIT_LOOPS, ids=lambda x: str(x))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_split_loops_match_fp64(shape, head_dim, causal, dtype, gen):
+    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=causal)[0], split_loops=True)
+    assert bwd_variants.check(tile, head_dim) == []
+    check_gradients(shape, dtype, head_dim, causal, gen, tile=tile)
+
+
+@pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False), (128, True)], ids=lambda x: str(x))
+def test_split_loops_deterministic_repeats_bit_for_bit(head_dim, causal, gen):
+    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=causal)[0], split_loops=True)
+    check_gradients((2, 6, 2, 1023, 1023), "bf16", head_dim, causal, gen, deterministic=True, tile=tile)
+
+
 # flat_dq (dQ staged in the accumulator's register order and added by a 1-D bulk reduce-add, the conversion undoing
 # the order: backward.FlatDqOrder), a template option benchmarks/sweep_bwd_sm90.py --twin flat_dq times: the table's
 # tile of each kernel head dim with it, each way of splitting dQ (rows at d=64, columns at d=128 masked and d=256,

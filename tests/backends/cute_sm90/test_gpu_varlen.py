@@ -122,14 +122,20 @@ WINDOW_CASES = [(8, 2, True, (255, -1)), (4, 4, False, (17, 100)), (4, 1, False,
                                               (torch.bfloat16, 256)],
                          ids=("bf16_d64", "bf16_d128", "fp16_d128", "bf16_d256"))
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=str)
-def test_packed_backward_with_a_window_matches_fp64_per_sequence(case, dtype, head_dim, gen, poisoned_empty):
+@pytest.mark.parametrize("split_loops", (False, True), ids=("table", "split_loops"))
+def test_packed_backward_with_a_window_matches_fp64_per_sequence(case, split_loops, dtype, head_dim, gen,
+                                                                  poisoned_empty, twin_table):
+    """With the table's tiles, and their split_loops twins (three loops per query head: the masked blocks before the
+    window's near edge, the unmasked ones, the masked ones past its far edge or a sequence's end)."""
     hq, hkv, causal, window = case
+    if split_loops:
+        twin_table(split_loops=True)
     q, k, v, cu_q, cu_k = packed(gen, hq, hkv, head_dim, dtype)
     out = attnforge.attention_varlen(q, k, v, cu_q, cu_k, max(LENGTHS_Q), max(LENGTHS_K), causal=causal,
                                      window_size=window, backend="cute_sm90")
     decision = attnforge.last_decision()
     assert decision.backward.backend == "cute_sm90" and decision.backward.variant.varlen
-    assert decision.backward.variant.window
+    assert decision.backward.variant.window and decision.backward.variant.tile.split_loops == split_loops
     dout = torch.randn(out.shape, generator=gen).to("cuda", dtype)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     for name, t in zip(("dq", "dk", "dv"), grads):
