@@ -10,10 +10,11 @@
 # bwd_variants.FLAT_DQ_FEATURES_SERVED waits for), then the softcapped and windowed training of cute_sm90 forced, in
 # alternating processes with that flag off and on (FLAT_ROUNDS each), the tiled and the flat dQ path on the same calls.
 # Usage: [HEAD_DIMS="64 128"] [BENCH_HEAD_DIM=128] [FLAT=1] benchmarks/run_feature_backward.sh OUTDIR
-#   e.g. HEAD_DIMS="256 192" BENCH_HEAD_DIM=256 for the head-dim-256 kernel's feature forms
+#   e.g. HEAD_DIMS="256 192" BENCH_HEAD_DIM=256 for the head-dim-256 kernel's feature forms; HEAD_DIMS="" runs no
+#   test (the training benchmarks only)
 set -uo pipefail
 OUT=${1:?usage: run_feature_backward.sh OUTDIR}
-HEAD_DIMS=${HEAD_DIMS:-64 128}
+HEAD_DIMS=${HEAD_DIMS-64 128}  # (set but empty: no tests)
 BENCH_HEAD_DIM=${BENCH_HEAD_DIM:-128}
 mkdir -p "$OUT/logs"
 source benchmarks/gpu_env.sh "$OUT"
@@ -23,7 +24,7 @@ run_tests() {  # run_tests LOGNAME FILE -k EXPR
      "$OLDPWD/tests/backends/cute_sm90/$file" "$@") > "$OUT/logs/$log.log" 2>&1
 }
 FLAT=${FLAT:-0}
-TESTS_K=$([[ $FLAT == 1 ]] && echo "flat_dq" || echo "forced and not flat_dq")
+TESTS_K=$([[ $FLAT == 1 ]] && echo "flat_dq and not split_loops" || echo "forced and not flat_dq and not split_loops")
 for d in $HEAD_DIMS; do
   run_tests "d$d" test_gpu_features.py -k "$TESTS_K and -$d]" &
 done
