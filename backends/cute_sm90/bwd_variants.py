@@ -137,6 +137,9 @@ class Sm90BwdTile:
     # nested loops in the producer and the dQ warp (SPLIT_LOOPS in the template; FlashAttention-3's structure): one
     # copy of the step per loop and no division per step; not with unmasked_first (the masked range runs first)
     split_loops: bool = False
+    # the consumers wait for Q and dO by a try-wait first, then the blocking wait if it failed (TRY_WAIT_FIRST in the
+    # template; FlashAttention-4's sm90 consumer waits): two hardware suspends inline before ptxas's retry loop
+    try_wait_first: bool = False
     # K loaded on a barrier of its own ahead of the first query block's Q, and V after that Q (K_FIRST in the
     # template): the first S^T = K Q^T waits for K and Q only, not for V too (FlashAttention-4's sm90 load order)
     k_first: bool = False
@@ -164,7 +167,7 @@ class Sm90BwdTile:
                                                     (self.dq_transposed, "_dt"), (self.dv_ahead, "_dv"),
                                                     (self.shared_dq_staging, "_sq"), (self.dk_before_dq, "_kq"),
                                                     (self.early_do_release, "_er"),
-                                                    (self.unmasked_first, "_uf"), (self.split_loops, "_sl"),
+                                                    (self.unmasked_first, "_uf"), (self.split_loops, "_sl"), (self.try_wait_first, "_tw"),
                                                     (self.k_first, "_kf"),
                                                     (self.flat_dq, "_fq")) if on)
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"o{self.dout_stages}")
@@ -216,6 +219,7 @@ class Sm90BwdTile:
                                                 (self.early_do_release, ", dO released after dV"),
                                                 (self.unmasked_first, ", unmasked step first"),
                                                 (self.split_loops, ", masked and unmasked loops apart"),
+                                                (self.try_wait_first, ", try-wait first"),
                                                 (self.k_first, ", K before the first Q"),
                                                 (self.flat_dq, ", dQ staged flat")) if on)
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"/{self.dout_stages}")

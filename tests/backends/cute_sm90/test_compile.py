@@ -666,6 +666,14 @@ def test_k_first_waits_for_v_in_the_first_step(tmp_path, head_dim):
     assert waits[True] > waits[False], waits
 
 
+# try_wait_first, an option benchmarks/sweep_bwd_sm90.py --twin try_wait_first times beside the table's tiles: the
+# consumers' waits for Q and dO each a try-wait and then the wait, so two barrier tries more per step copy
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_try_wait_first_tries_q_and_do_twice(tmp_path, head_dim):
+    waits = twin_counts(tmp_path, head_dim, "try_wait_first", r"SYNCS\.PHASECHK\S*TRYWAIT")
+    assert waits[True] == waits[False] + 4, waits
+
+
 # flat_dq, an option benchmarks/sweep_bwd_sm90.py --twin flat_dq times beside the table's tiles: each warpgroup's dQ
 # share leaves registers by 128-bit stores (one per four accumulator values: two copies of the step, 64 x N / 128 / 4
 # each) and is added by the 1-D bulk reduce-add, with no TMA reduce-add left

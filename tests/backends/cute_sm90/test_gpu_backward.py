@@ -166,6 +166,16 @@ def test_split_loops_deterministic_repeats_bit_for_bit(head_dim, causal, gen):
     check_gradients((2, 6, 2, 1023, 1023), "bf16", head_dim, causal, gen, deterministic=True, tile=tile)
 
 
+# try_wait_first (the consumers' waits for Q and dO a try-wait, then the wait), a template option
+# benchmarks/sweep_bwd_sm90.py --twin try_wait_first times: the d=64 and d=128 table tiles with it
+@pytest.mark.parametrize("head_dim, causal", [(d, m) for d in (64, 128) for m in (False, True)], ids=lambda x: str(x))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_try_wait_first_matches_fp64(shape, head_dim, causal, gen):
+    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=causal)[0], try_wait_first=True)
+    assert bwd_variants.check(tile, head_dim) == []
+    check_gradients(shape, "bf16", head_dim, causal, gen, tile=tile)
+
+
 # flat_dq (dQ staged in the accumulator's register order and added by a 1-D bulk reduce-add, the conversion undoing
 # the order: backward.FlatDqOrder), a template option benchmarks/sweep_bwd_sm90.py --twin flat_dq times: the table's
 # tile of each kernel head dim with it, each way of splitting dQ (rows at d=64, columns at d=128 masked and d=256,
