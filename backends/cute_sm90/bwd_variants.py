@@ -167,7 +167,8 @@ class Sm90BwdTile:
                                                     (self.dq_transposed, "_dt"), (self.dv_ahead, "_dv"),
                                                     (self.shared_dq_staging, "_sq"), (self.dk_before_dq, "_kq"),
                                                     (self.early_do_release, "_er"),
-                                                    (self.unmasked_first, "_uf"), (self.split_loops, "_sl"), (self.try_wait_first, "_tw"),
+                                                    (self.unmasked_first, "_uf"), (self.split_loops, "_sl"),
+                                                    (self.try_wait_first, "_tw"),
                                                     (self.k_first, "_kf"),
                                                     (self.flat_dq, "_fq")) if on)
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"o{self.dout_stages}")
