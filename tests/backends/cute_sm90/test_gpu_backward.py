@@ -131,6 +131,18 @@ def test_row_and_dq_kernels_on_the_gpu(dtype, gen, poisoned_empty):
     assert dq.stride() == q.stride() and torch.equal(dq, (acc.double() * 0.125).to(torch_dtype))
 
 
+def table_twin(head_dim: int, causal: bool, **fields):
+    """The table's tile for (head_dim, causal) with template options ``fields`` set (a twin that
+    benchmarks/sweep_bwd_sm90.py --twin times), checked valid."""
+    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=causal)[0], **fields)
+    assert bwd_variants.check(tile, head_dim) == []
+    return tile
+
+
+# the table's tile of each kernel head dim and of a padded one (96), masked and not: where an option's twins are tested
+OPTION_HEAD_DIMS = [(d, masked) for d in (*bwd_variants.KERNEL_HEAD_DIMS, 96) for masked in (False, True)]
+
+
 # k_first (K loaded ahead of the first query block's Q, V after it, on a barrier of its own), a template option
 # benchmarks/sweep_bwd_sm90.py --twin k_first times: the table's tile of each kernel head dim with it
 K_FIRST = [(d, masked) for d in bwd_variants.KERNEL_HEAD_DIMS for masked in (False, True)]
@@ -140,30 +152,23 @@ K_FIRST = [(d, masked) for d in bwd_variants.KERNEL_HEAD_DIMS for masked in (Fal
 @pytest.mark.parametrize("head_dim, causal", K_FIRST, ids=lambda x: str(x))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_the_k_first_load_order_matches_fp64(shape, head_dim, causal, dtype, gen):
-    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=causal)[0], k_first=True)
-    assert bwd_variants.check(tile, head_dim) == []
-    check_gradients(shape, dtype, head_dim, causal, gen, tile=tile)
+    check_gradients(shape, dtype, head_dim, causal, gen, tile=table_twin(head_dim, causal, k_first=True))
 
 
 # split_loops (each query head's masked and unmasked query blocks in loops of their own; the producer and dQ warp's
 # loops nested), a template option benchmarks/sweep_bwd_sm90.py --twin split_loops times: the table's tile of each
 # kernel head dim with it (GQA shapes among SHAPES: more than one query head per loop), and its deterministic kernel
-SPLIT_LOOPS = [(d, masked) for d in (*bwd_variants.KERNEL_HEAD_DIMS, 96) for masked in (False, True)]
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim, causal", SPLIT_LOOPS, ids=lambda x: str(x))
+@pytest.mark.parametrize("head_dim, causal", OPTION_HEAD_DIMS, ids=lambda x: str(x))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_split_loops_match_fp64(shape, head_dim, causal, dtype, gen):
-    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=causal)[0], split_loops=True)
-    assert bwd_variants.check(tile, head_dim) == []
-    check_gradients(shape, dtype, head_dim, causal, gen, tile=tile)
+    check_gradients(shape, dtype, head_dim, causal, gen, tile=table_twin(head_dim, causal, split_loops=True))
 
 
 @pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False), (128, True)], ids=lambda x: str(x))
 def test_split_loops_deterministic_repeats_bit_for_bit(head_dim, causal, gen):
-    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=causal)[0], split_loops=True)
-    check_gradients((2, 6, 2, 1023, 1023), "bf16", head_dim, causal, gen, deterministic=True, tile=tile)
+    check_gradients((2, 6, 2, 1023, 1023), "bf16", head_dim, causal, gen, deterministic=True,
+                    tile=table_twin(head_dim, causal, split_loops=True))
 
 
 # try_wait_first (the consumers' waits for Q and dO a try-wait, then the wait), a template option
@@ -171,28 +176,21 @@ def test_split_loops_deterministic_repeats_bit_for_bit(head_dim, causal, gen):
 @pytest.mark.parametrize("head_dim, causal", [(d, m) for d in (64, 128) for m in (False, True)], ids=lambda x: str(x))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_try_wait_first_matches_fp64(shape, head_dim, causal, gen):
-    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=causal)[0], try_wait_first=True)
-    assert bwd_variants.check(tile, head_dim) == []
-    check_gradients(shape, "bf16", head_dim, causal, gen, tile=tile)
+    check_gradients(shape, "bf16", head_dim, causal, gen, tile=table_twin(head_dim, causal, try_wait_first=True))
 
 
 # flat_dq (dQ staged in the accumulator's register order and added by a 1-D bulk reduce-add, the conversion undoing
 # the order: backward.FlatDqOrder), a template option benchmarks/sweep_bwd_sm90.py --twin flat_dq times: the table's
 # tile of each kernel head dim with it, each way of splitting dQ (rows at d=64, columns at d=128 masked and d=256,
 # transposed at d=128 unmasked), a padded head dim (96) and the deterministic kernel too
-FLAT_DQ = [(d, masked) for d in (*bwd_variants.KERNEL_HEAD_DIMS, 96) for masked in (False, True)]
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim, causal", FLAT_DQ, ids=lambda x: str(x))
+@pytest.mark.parametrize("head_dim, causal", OPTION_HEAD_DIMS, ids=lambda x: str(x))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_flat_dq_matches_fp64(shape, head_dim, causal, dtype, gen):
-    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=causal)[0], flat_dq=True)
-    assert bwd_variants.check(tile, head_dim) == []
-    check_gradients(shape, dtype, head_dim, causal, gen, tile=tile)
+    check_gradients(shape, dtype, head_dim, causal, gen, tile=table_twin(head_dim, causal, flat_dq=True))
 
 
 @pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False), (128, True)], ids=lambda x: str(x))
 def test_flat_dq_deterministic_repeats_bit_for_bit(head_dim, causal, gen):
-    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=causal)[0], flat_dq=True)
-    check_gradients((2, 6, 2, 1023, 1023), "bf16", head_dim, causal, gen, deterministic=True, tile=tile)
+    check_gradients((2, 6, 2, 1023, 1023), "bf16", head_dim, causal, gen, deterministic=True,
+                    tile=table_twin(head_dim, causal, flat_dq=True))
