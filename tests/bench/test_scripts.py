@@ -69,3 +69,32 @@ def test_timeline_patched_kernel_compiles(tmp_path):
     done = subprocess.run([sys.executable, "-c", TIMELINE_COMPILE, str(script), str(tmp_path)], cwd=tmp_path,
                           env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+BWD_TIMELINE_COMPILE = """
+import pathlib, sys
+from attnforge.backends.cute_sm90 import backward, bwd_variants
+from attnforge.backends.cute_sm90 import compile as cc
+from attnforge.runtime import cute
+from attnforge.runtime.generated import import_path
+
+timeline = import_path(sys.argv[1], "timeline_bwd_sm90")
+tile, reasons = bwd_variants.pick(128, masked=True)
+variant = backward.Sm90BwdVariant(tile, 128, "bf16", True)
+path = pathlib.Path(sys.argv[2]) / "trace.py"
+path.write_text(timeline.patch(variant.source.text()))
+cute.target(cc.ARCH)
+cute.compile_kernel(variant.build, module=import_path(path, "trace"))
+"""
+
+
+@pytest.mark.skipif(not (BENCHMARKS / "timeline_bwd_sm90.py").is_file(),
+                    reason="benchmarks/ is not part of an installed package")
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("cutlass", "tvm_ffi")),
+                    reason="nvidia-cutlass-dsl or apache-tvm-ffi is not installed (pip install 'attnforge[cute]')")
+def test_backward_timeline_patched_kernel_compiles(tmp_path):
+    """benchmarks/timeline_bwd_sm90.py's patched d=128 causal backward still traces and compiles for sm_90a."""
+    script = BENCHMARKS / "timeline_bwd_sm90.py"
+    done = subprocess.run([sys.executable, "-c", BWD_TIMELINE_COMPILE, str(script), str(tmp_path)], cwd=tmp_path,
+                          env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
