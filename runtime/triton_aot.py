@@ -40,9 +40,11 @@ class KernelBuild:
     """One @triton.jit kernel of one Python file, specialised for a target, dtype, head dim and causality.
 
     ``signature``: (parameter, Triton type) for every parameter, constexprs as "constexpr";
-    ``constexprs``: (name, value) of the constexpr parameters; ``aligned``: the pointer parameters
-    compiled as 16-byte aligned; ``options``: further compile options ((name, value) pairs: AMD's
-    waves_per_eu, ...). ``head_dim`` 0 names a kernel that serves every head dim."""
+    ``constexprs``: (name, value) of the constexpr parameters; ``aligned``: the parameters compiled as
+    divisible by 16, as Triton's JIT specialises them: pointers 16-byte aligned, integers (a row stride,
+    say) multiples of 16 (launch() takes the prebuilt kernel only for a call whose arguments are);
+    ``options``: further compile options ((name, value) pairs: AMD's waves_per_eu, ...). ``head_dim`` 0
+    names a kernel that serves every head dim."""
 
     path: str
     module: str  # the name the build is listed under (the variant's module name)
@@ -78,6 +80,39 @@ class KernelBuild:
                 f"{'causal' if self.causal else 'full'}{flags}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Prebuilt:
+    """A prebuilt kernel loaded from the cache: Triton's CompiledKernel, and the positions (among the arguments
+    a launch passes, constexprs excluded) of the integer parameters it was compiled as multiples of 16 for."""
+
+    kernel: object
+    multiples_of_16: tuple[int, ...] = ()
+
+    @property
+    def metadata(self):
+        return self.kernel.metadata
+
+    def accepts(self, args) -> bool:
+        """Whether the call's ``args`` meet what the kernel was compiled assuming: tensors 16-byte aligned,
+        integers within int32, and the multiples_of_16 integers multiples of 16 (any other call goes to the
+        JIT, which specialises for it)."""
+        for a in args:
+            if isinstance(a, int):
+                if not -_INT32 <= a <= _INT32:
+                    return False
+            elif getattr(a, "data_ptr", None) is not None and a.data_ptr() % 16:
+                return False
+        return all(args[i] % 16 == 0 for i in self.multiples_of_16)
+
+
+def multiples_of_16(signature, aligned) -> tuple[int, ...]:
+    """Positions, among the non-constexpr parameters of ``signature`` ((name, type) pairs), of the integer ones
+    in ``aligned``."""
+    params = [(name, kind) for name, kind in signature if kind != "constexpr"]
+    return tuple(i for i, (name, kind) in enumerate(params) if name in aligned and kind.startswith(("i", "u")))
+
+
+_INT32 = 2**31 - 1
 _file_modules: dict[str, object] = {}
 
 
@@ -120,13 +155,18 @@ def compile_kernel(build: KernelBuild):
     return triton.compile(source_of(build), target=build.target(), options=options)
 
 
+# How builds specialise their arguments, in the cache key: "2" since integer parameters (row strides) are compiled as
+# multiples of 16 where the JIT would be; entries built before, with only the pointers aligned, are not reused.
+SPECIALISATION = "2"
+
+
 def fingerprint(build: KernelBuild) -> str:
     """The cache key: attnforge version, the kernel file's source, Triton version, target and variant, with every
     constexpr (two builds of one kernel that differ only in a feature flag, LOCAL say, are two entries)."""
     import triton
 
     h = hashlib.sha256()
-    for part in (__version__, triton.__version__, "1" if fp_fusion() else "0", build.name(),
+    for part in (__version__, SPECIALISATION, triton.__version__, "1" if fp_fusion() else "0", build.name(),
                  str(build.num_warps), str(build.num_stages), repr(build.options), repr(sorted(build.constexprs))):
         h.update(part.encode() + b"\0")
     h.update(pathlib.Path(build.path).read_bytes())
@@ -255,8 +295,8 @@ def _whole(entry: pathlib.Path, key: str) -> dict | None:
         return None
 
 
-def load_cached(build: KernelBuild, cache_dir: pathlib.Path):
-    """The CompiledKernel for ``build`` from the cache, ready to launch with no compilation, or None when
+def load_cached(build: KernelBuild, cache_dir: pathlib.Path) -> Prebuilt | None:
+    """The Prebuilt kernel for ``build`` from the cache, ready to launch with no compilation, or None when
     the cache has no whole, valid and trusted entry for it (cache.untrusted), or one compiled with other
     constants. Bad and untrusted entries are passed over with a warning: the JIT serves the call."""
     cache_dir = pathlib.Path(cache_dir)
@@ -275,10 +315,11 @@ def load_cached(build: KernelBuild, cache_dir: pathlib.Path):
     from triton.compiler.compiler import CompiledKernel
 
     name, binary = meta["kernel_name"], meta["binary"]
-    src = source_of(build, signature=[tuple(s) for s in meta["signature"]],
-                    constexprs=[tuple(c) for c in meta["constexprs"]], aligned=tuple(meta["aligned"]))
-    return CompiledKernel(src, {f"{name}.json": str(entry / "triton.json"),
-                                f"{name}{pathlib.Path(binary).suffix}": str(entry / binary)}, meta["key"])
+    signature, aligned = [tuple(s) for s in meta["signature"]], tuple(meta["aligned"])
+    src = source_of(build, signature=signature, constexprs=[tuple(c) for c in meta["constexprs"]], aligned=aligned)
+    kernel = CompiledKernel(src, {f"{name}.json": str(entry / "triton.json"),
+                                  f"{name}{pathlib.Path(binary).suffix}": str(entry / binary)}, meta["key"])
+    return Prebuilt(kernel, multiples_of_16(signature, aligned))
 
 
 def build_cached(build: KernelBuild, cache_dir: pathlib.Path, keep_asm: bool = False) -> tuple[dict, bool]:

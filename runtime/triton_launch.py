@@ -3,8 +3,9 @@ kernel, target, dtype and head dim (so the first call compiles nothing), else Tr
 
 A launch is matched to a build by the kernel's file and name, the target, the dtype and the constexprs
 ``D`` (head dim; absent: a head-dim-generic kernel) and ``CAUSAL``, the names attnforge's kernels give
-them. A prebuilt kernel was compiled assuming 16-byte-aligned pointers and 32-bit integer arguments; a
-call that breaks either goes to the JIT, which specialises for it.
+them. A prebuilt kernel was compiled assuming 16-byte-aligned pointers, 32-bit integer arguments and row
+strides that are multiples of 16 (triton_aot.Prebuilt.accepts); a call that breaks any goes to the JIT,
+which specialises for it.
 """
 
 from __future__ import annotations
@@ -17,19 +18,8 @@ from .cache import CacheError, default_cache_dir, warn_once
 from .env import triton_interpret
 
 _MISSING = object()
-_PREBUILT: dict[tuple, object] = {}  # per process: (kernel, device, dtype name, constexprs, warps, stages) -> kernel or None
-_INT32 = 2**31 - 1
+_PREBUILT: dict[tuple, object] = {}  # per process: (kernel, device, dtype name, constexprs, warps, stages) -> Prebuilt or None
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def _compatible(args) -> bool:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if a.data_ptr() % 16:
-                return False
-        elif isinstance(a, int) and not -_INT32 <= a <= _INT32:
-            return False
-    return True
 
 
 def _arch(device: torch.device) -> str | None:
@@ -61,7 +51,7 @@ def module_name(fn) -> str:
 
 def find_prebuilt(kernel, device: torch.device, dtype_name: str | None, constexprs: dict, num_warps: int,
                   num_stages: int, cache_dir=None):
-    """The CompiledKernel ``attnforge build`` left in the cache for this launch, or None."""
+    """The triton_aot.Prebuilt kernel ``attnforge build`` left in the cache for this launch, or None."""
     from .triton_aot import KernelBuild, load_cached
 
     if device.type != "cuda" or triton_interpret() or dtype_name is None:
@@ -96,8 +86,8 @@ def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stag
     if prebuilt is _MISSING:
         prebuilt = _PREBUILT[key] = None if options else find_prebuilt(kernel, data.device, dtype_name, constexprs,
                                                                        num_warps, num_stages)
-    if prebuilt is not None and _compatible(args):
-        prebuilt[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # CompiledKernel wants all three grid sides
+    if prebuilt is not None and prebuilt.accepts(args):
+        prebuilt.kernel[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # CompiledKernel wants all three grid sides
     else:
         kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options)
 

@@ -13,6 +13,13 @@ OFFSET_POINTERS = {"CU_Q", "CU_K"}
 # Upper-case parameters that are sizes, not pointers.
 SIZES = ("B", "H", "GROUP", "N_Q", "N_K", "H_KV", "PAGE_SIZE", "KEYS_PER_SPLIT", "NUM_SPLITS", "CAPACITY", "NUM_PAGES",
          "B_H_KV")
+# Integer parameters compiled as multiples of 16 (where the head dim is one): the row strides of head-dim-wide tensors
+# (q, k, v, o, their gradients, the split partials). Triton's JIT specialises every integer argument that is a
+# multiple of 16 so, and only then can it prove a tile's rows 16-byte aligned: without it a prebuilt kernel loads
+# K and V element by element and does not pipeline them (sm90 SASS: 2-byte LDG instead of 16-byte cp.async, in the
+# backward and KV-cache kernels). Strides that need not be multiples of 16 in a common call stay plain: a block
+# table's row (its sequences' page count), the split LSE's (batch x heads x queries) and the ALiBi slopes' (heads).
+UNALIGNED_STRIDES = {"stride_bt", "stride_ls", "stride_slopes"}
 # An fp8 KV cache's K and V (the KV-cache kernel's FP8_KV), by Problem.kv_dtype: e4m3 is Triton's fp8e4nv,
 # e4m3fnuz its fp8e4b8.
 CACHE_POINTERS = {"K", "V"}
@@ -26,12 +33,13 @@ KERNELS = {"fwd": ("fwd_kernel",), "bwd": ("dkdv_kernel", "dq_kernel", "preproce
 KV_SPLIT_POWERS = (2, 4, 8, 16, 32, 64, 128)
 
 
-def signature(fn, dtype: str, fp32_out: bool = False, varlen: bool = False, kv_dtype: str = "") -> tuple[tuple, tuple]:
-    """(signature, aligned pointers) of a generated kernel as the JIT sees it for 16-byte-aligned tensors:
-    upper-case parameters are pointers (fp32 for LSE and DELTA; O too with ``fp32_out``; int32 for lengths and
-    block tables, and for a packed batch's offsets with ``varlen``; K and V in the fp8 cache format ``kv_dtype``
-    names), ``*scale*``
-    are fp32, the rest i32."""
+def signature(fn, dtype: str, head_dim: int, fp32_out: bool = False, varlen: bool = False,
+              kv_dtype: str = "") -> tuple[tuple, tuple]:
+    """(signature, aligned parameters) of a generated kernel as the JIT sees it for 16-byte-aligned tensors whose
+    rows are 16-byte aligned: upper-case parameters are pointers (fp32 for LSE and DELTA; O too with ``fp32_out``;
+    int32 for lengths and block tables, and for a packed batch's offsets with ``varlen``; K and V in the fp8 cache
+    format ``kv_dtype`` names), ``*scale*`` are fp32, the rest i32; aligned are the pointers and, where
+    ``head_dim`` is a multiple of 16, the row strides (UNALIGNED_STRIDES above)."""
     sig, aligned = [], []
     for p in fn.params:
         if p.is_constexpr:
@@ -48,6 +56,8 @@ def signature(fn, dtype: str, fp32_out: bool = False, varlen: bool = False, kv_d
             sig.append((p.name, "fp32"))
         else:
             sig.append((p.name, "i32"))
+            if p.name.startswith("stride_") and p.name not in UNALIGNED_STRIDES and head_dim % 16 == 0:
+                aligned.append(p.name)
     return tuple(sig), tuple(aligned)
 
 
@@ -60,7 +70,7 @@ def builds(variant, path) -> list[KernelBuild]:
     pad = 1 << (variant.head_dim - 1).bit_length()
     for kernel in KERNELS[variant.family]:
         fn = kernel_function(str(path), kernel)
-        sig, aligned = signature(fn, variant.dtype, varlen=variant.varlen)
+        sig, aligned = signature(fn, variant.dtype, variant.head_dim, varlen=variant.varlen)
         names = dict(sig)
         # the feature flags as launch() passes them, in its order, where the kernel has them (preprocess: VARLEN);
         # a LOCAL kernel takes its window as arguments, with CAUSAL off (folded into it)
@@ -83,7 +93,7 @@ def kvcache_builds(variant, path) -> list[KernelBuild]:
     flags = (("CAUSAL", variant.causal and not variant.local), ("LOCAL", variant.local), ("SOFTCAP", variant.softcap),
              ("HAS_SINKS", variant.sinks))
     for fp32_out in (False, True):
-        sig, aligned = signature(fn, variant.dtype, fp32_out, kv_dtype=variant.kv_dtype)
+        sig, aligned = signature(fn, variant.dtype, variant.head_dim, fp32_out, kv_dtype=variant.kv_dtype)
         for paged in (variant.paged,):
             constexprs = head + flags + (("PAGED", paged), ("HAS_LEFTPAD", False), ("SPLIT", fp32_out),
                                          ("FP8_KV", variant.fp8_kv))
@@ -91,7 +101,7 @@ def kvcache_builds(variant, path) -> list[KernelBuild]:
                                    variant.head_dim, dict(flags)["CAUSAL"], tile.num_warps, tile.num_stages, sig,
                                    constexprs, aligned, ()))
     fn = kernel_function(str(path), "combine_kernel")
-    sig, aligned = signature(fn, variant.dtype)
+    sig, aligned = signature(fn, variant.dtype, variant.head_dim)
     for splits in KV_SPLIT_POWERS:
         out.append(KernelBuild(str(path), tile.module, "combine_kernel", variant.arch, variant.dtype, variant.head_dim,
                                False, 4, 1, sig, (("SPLITS", splits),) + head, aligned, ()))

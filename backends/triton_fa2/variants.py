@@ -209,8 +209,12 @@ _AMPERE_BWD = {
     96: [BwdTile(32, 32, 32, 32, 8, 1)], 128: [BwdTile(32, 32, 32, 32, 8, 1)],
     192: [BwdTile(16, 32, 32, 16, 8, 1)], 256: [BwdTile(16, 32, 32, 16, 8, 1)],
 }
+# sm86/sm89/sm120 at d=32: the 2-stage tile's dK/dV kernel spills 8 B for sm89 once compiled as Triton's JIT compiles a
+# call (row strides multiples of 16, runtime.triton_aot); its 1-stage form does not (compile sweep, Triton 3.9,
+# 2026-12-07). Not timed.
+_AMPERE_100K_BWD = {**_AMPERE_BWD, 32: [BwdTile(32, 64, 64, 32, 4, 1)]}
 BWD: dict[str, dict[int, list[BwdTile]]] = {
-    "sm80": _AMPERE_BWD, "sm86": _AMPERE_BWD, "sm89": _AMPERE_BWD, "sm120": _AMPERE_BWD,
+    "sm80": _AMPERE_BWD, "sm86": _AMPERE_100K_BWD, "sm89": _AMPERE_100K_BWD, "sm120": _AMPERE_100K_BWD,
     "sm90": _HOPPER_BWD, "sm100": _HOPPER_BWD,
 }
 

@@ -77,9 +77,12 @@ FWD: dict[str, dict[int, list[RocmFwdTile]]] = {
     "gfx942": _CDNA3_FWD,
     "gfx950": _CDNA3_FWD,
 }
-# dK/dV 128 keys x 32 queries and dQ 128 x 32 to d=128; 64x32 at d192/d256, where 128 spills 0.8 KiB.
+# dK/dV 128 keys x 32 queries and dQ 128 x 32 to d=128; 64x32 at d=256, where 128 spills 0.8 KiB. At d=192 the 64x32
+# dQ kernel spills a VGPR once compiled as Triton's JIT compiles a call (row strides multiples of 16,
+# runtime.triton_aot), so d=192 takes 64 keys x 16 queries (compile sweep, Triton 3.9, gfx942, 2026-12-07: no spill,
+# 354/258 VGPRs for dK/dV and dQ).
 _CDNA_BWD = {32: [_b(32, 128, 128, 32)], 64: [_b(32, 128, 128, 32)], 96: [_b(32, 128, 128, 32)],
-             128: [_b(32, 128, 128, 32)], 192: [_b(32, 64, 64, 32)], 256: [_b(32, 64, 64, 32)]}
+             128: [_b(32, 128, 128, 32)], 192: [_b(16, 64, 64, 16)], 256: [_b(32, 64, 64, 32)]}
 BWD: dict[str, dict[int, list[RocmBwdTile]]] = {"gfx90a": _CDNA_BWD, "gfx942": _CDNA_BWD, "gfx950": _CDNA_BWD}
 
 # The KV-cache kernel: one pipelining stage (an LDS buffer per stage, as the forward), 64-key steps to d=128.

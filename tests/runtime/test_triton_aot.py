@@ -118,3 +118,36 @@ def test_a_read_only_cache_of_built_kernels_still_builds(built, tmp_path):
     with pytest.raises(cache.CacheError, match=str(tmp_path / "locks")) as caught:
         triton_aot.build_cached(other, tmp_path)
     assert isinstance(caught.value, OSError)
+
+
+class _Tensor:  # what Prebuilt.accepts reads of a tensor: its address
+    def __init__(self, address):
+        self.address = address
+
+    def data_ptr(self):
+        return self.address
+
+
+def test_a_prebuilt_kernel_takes_only_the_calls_it_was_compiled_for(tmp_path, kernel_file):
+    """A prebuilt kernel serves a call only where the call meets what it was compiled assuming (16-byte-aligned
+    tensors, int32 integers, multiples of 16 where it was compiled so); any other goes to the JIT."""
+    build = triton_aot.KernelBuild(str(kernel_file), "copy_kernel", "copy", "sm80", "fp16", 0, False, 4, 1,
+                                   signature=(("X", "*fp16"), ("Y", "*fp16"), ("N", "i32"), ("BLOCK", "constexpr")),
+                                   constexprs=(("BLOCK", 128),), aligned=("X", "Y", "N"))
+    triton_aot.build_cached(build, tmp_path)
+    prebuilt = triton_aot.load_cached(build, tmp_path)
+    assert prebuilt.multiples_of_16 == (2,) and prebuilt.metadata.name == "copy"
+    assert prebuilt.accepts((_Tensor(4096), _Tensor(8192), 1024))
+    assert not prebuilt.accepts((_Tensor(4096), _Tensor(8192), 1000))  # N compiled as a multiple of 16
+    assert not prebuilt.accepts((_Tensor(4098), _Tensor(8192), 1024))  # a tensor not 16-byte aligned
+    assert not prebuilt.accepts((_Tensor(4096), _Tensor(8192), 2**32))  # past int32
+    # the entry's record of what was compiled governs (a build of the same kernel and key reads the same entry)
+    assert triton_aot.load_cached(build_of(kernel_file), tmp_path).multiples_of_16 == (2,)
+    assert triton_aot.Prebuilt(prebuilt.kernel).accepts((_Tensor(4096), _Tensor(8192), 1000))
+
+
+def test_multiples_of_16_are_integer_parameters_counted_without_constexprs():
+    signature = (("X", "*fp16"), ("A", "constexpr"), ("stride_a", "i32"), ("scale", "fp32"), ("stride_b", "i32"),
+                 ("B", "constexpr"))
+    assert triton_aot.multiples_of_16(signature, ("X", "stride_b")) == (3,)
+    assert triton_aot.multiples_of_16(signature, ("X",)) == ()

@@ -217,3 +217,40 @@ def test_fp8_kvcache_kernels_compile(arch, cache):
         sass = (cache / meta["key"] / "kernel.sass").read_text()
         assert "F2FP.F16.E4M3.UNPACK_B" in sass, build.name()  # e4m3 converted in hardware, two at a time
         assert any(i.startswith("HMMA") for i in meta["instructions"]), meta["instructions"]
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+def test_prebuilt_kernels_load_their_tiles_16_bytes_at_a_time(arch, cache):
+    """A prebuilt kernel is compiled as the JIT compiles the same call (row strides multiples of 16:
+    aot.UNALIGNED_STRIDES), so its tiles load 16 bytes per instruction (LDG.E.128, or cp.async's
+    LDGSTS.E.BYPASS.128 where the loop pipelines them) and never one 2-byte element at a time (LDG.E.U16), as builds
+    with only their pointers aligned did: an element-wise, unpipelined K/V load in the backward and KV-cache kernels."""
+    b = registered()["triton_fa2"]
+    planned = b.variants([arch], dtypes=("bf16",), head_dims=(128,), causal=(True,), strict=True,
+                         features=(frozenset(), frozenset({"kvcache"})))
+    builds = [x for v in planned for x in b.builds(v)
+              if x.kernel != "combine_kernel" and dict(x.constexprs).get("SPLIT", True)]
+    assert {x.kernel for x in builds} == {"fwd_kernel", "dkdv_kernel", "dq_kernel", "preprocess_kernel",
+                                          "kvcache_kernel"}
+    for build in builds:
+        assert "stride_kn" in build.aligned or build.kernel == "preprocess_kernel", build.aligned
+        triton_aot.build_cached(build, cache, keep_asm=True)
+        sass = (triton_aot.entry_path(build, cache) / "kernel.sass").read_text()
+        assert "LDG.E.U16" not in sass, f"{build.name()} loads 2-byte elements"
+        if build.kernel != "fwd_kernel" or arch == "sm80":  # (sm90's forward loads by TMA)
+            assert "LDG.E.128" in sass or "LDGSTS.E.BYPASS.128" in sass, build.name()
+
+
+def test_row_strides_are_specialised_only_where_the_head_dim_makes_them_multiples_of_16():
+    """A head dim that is not a multiple of 16 (72) makes a natural layout's row strides not multiples of 16 either:
+    its prebuilt kernel keeps them unspecialised, so that it serves those calls (as the JIT would compile them)."""
+    from attnforge.backends.triton_fa2 import aot
+
+    b = registered()["triton_fa2"]
+    variant = next(v for v in b.variants(["sm90"], dtypes=("bf16",), head_dims=(72,), causal=(True,), strict=True,
+                                         features=(frozenset({"kvcache"}),)) if v.family == "kvcache")
+    fn = triton_aot.kernel_function(str(b.builds(variant)[0].path), "kvcache_kernel")
+    for head_dim, strides in ((72, set()), (128, {"stride_qm", "stride_kn", "stride_vn", "stride_os"})):
+        _, aligned = aot.signature(fn, "bf16", head_dim)
+        assert strides <= set(aligned) and (strides or not [a for a in aligned if a.startswith("stride")]), aligned
+        assert not aot.UNALIGNED_STRIDES & set(aligned)
