@@ -9,7 +9,7 @@ CTAs it ran follow one another:
   consumers -> K/V       the consumers' set-up to K and V landed in shared memory
   K/V -> loop end        the query-block loop (all of the CTA's steps)
   loop end -> stored     dK and dV scaled, converted and stored (the epilogue)
-  dQ warp end            when the dQ warp finished its last reduce-add (after the consumers' end, if later)
+  dQ warp after          when the dQ warp finished its last reduce-add, from the consumers' end (negative: before it)
   gap                    the previous CTA's last recorded point on this SM to this CTA's entry: the launch of a new
                          CTA once the previous one has exited
 
@@ -94,7 +94,7 @@ def summarize(trace: torch.Tensor, n_blocks: int) -> dict:
     ctas = []
     for row in t.tolist():
         e = {name: row[i] for name, i in EVENTS.items()}
-        rel = lambda a, b: (e[b] - e[a]) % (1 << 32)  # noqa: E731 (32-bit clocks)
+        rel = lambda a, b: (e[b] - e[a] + (1 << 31)) % (1 << 32) - (1 << 31)  # noqa: E731 (signed, 32-bit clocks)
         ctas.append({"sm": e["sm"], "entry_ns": e["entry_ns"] % (1 << 32), "entry": e["entry"] % (1 << 32),
                      "steps": e["steps"], "to_consumers": rel("entry", "consumers"),
                      "to_kv": rel("consumers", "kv_landed"), "loop": rel("kv_landed", "loop_end"),

@@ -332,8 +332,16 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
 # k_first (K ahead of the first query block's Q, V after it) beside the d=64 and d=128 tiles, 3 interleaved rounds on
 # an H100 (2026-12-06, benchmarks/results/2026-12-06-h100-k-first/): -1.1% to +1.1% at N=1k and 4k, where it should
 # help most; not taken (a template option for --twin).
+# d=64 runs each query head's masked and unmasked query blocks as loops of their own (split_loops): beside the same
+# tile without it, forward+backward, bf16, 16k tokens, 5 interleaved rounds on an H100 (2026-12-07,
+# benchmarks/results/2026-12-07-h100-split-loops/twin64.json), TFLOP/s full/causal: N=16k 534.6/512.1 against
+# 508.9/505.6, 4k 484.0/430.1 against 486.4/422.9, 1k 380.7/269.3 against 374.1/269.4 (-0.5% to +5.1%, +1.6% on
+# average); FlashAttention-4 527.4/509.2, 485.5/435.4, 393.8/274.3 in the same rounds. Its GPU tests passed in every
+# form (dense, deterministic, window/softcap/ALiBi, packed). With ds_key_major as well: +0.3% to +3.2% (+1.9%), its
+# feature and packed forms not yet GPU-tested. At d=128 split_loops moved the 64- and 80-row tiles by -1.5% to +2.4%,
+# with ds_key_major -0.5% to +0.6%, within the machine's spread: not taken there; try_wait_first -5.2% to +1.4%.
 BWD: dict[int, list[Sm90BwdTile]] = {
-    64: [Sm90BwdTile(128, accepted_spill_bytes=8, tma_store_dkv=True, flat_dq=True)],
+    64: [Sm90BwdTile(128, accepted_spill_bytes=8, tma_store_dkv=True, flat_dq=True, split_loops=True)],
     128: [Sm90BwdTile(80, dq_transposed=True, tma_store_dkv=True, unmasked_only=True, flat_dq=True),
           Sm90BwdTile(64, tma_store_dkv=True, flat_dq=True)],
     256: [Sm90BwdTile(64, tile_n=64, q_stages=1, split_head_dim=True, dk_before_dq=True)],
