@@ -53,7 +53,7 @@ def patch(source: str) -> str:
         source = source.replace(old, new)
 
     clock = "cute.arch.clock()"
-    entry = "        n_block, head_kv, batch = cute.arch.block_idx()\n"
+    entry = "        n_block, head_kv, batch = self.block_coordinates(mK)\n"
     sub(entry, entry + "        trace_n, trace_h, trace_b = n_block, head_kv, batch\n        if tidx == 0:\n"
         + _record("sm", "cute.arch.smid()", " " * 12) + _record("entry_ns", "cute.arch.globaltimer_lo()", " " * 12)
         + _record("entry", clock, " " * 12))

@@ -147,6 +147,10 @@ class Sm90BwdTile:
     # reduce-add into an accumulator padded to whole query blocks, whose order the dQ conversion undoes (FLAT_DQ in
     # the template; FlashAttention-4's sm90 dQ path); not for packed batches
     flat_dq: bool = False
+    # causal kernels only (not windowed, packed or deterministic): a 1-D grid that starts the key blocks longest first
+    # across sections of this many (kv head, batch) pairs, each section's key block 0 of every pair first (LONGEST_FIRST
+    # in the template); 0: the grid's own order, key blocks fastest
+    longest_first: int = 0
     # the table serves this tile only to calls without a causal mask or window (masked calls take the next entry):
     # FlashAttention-3 and -4 run head dim 128 on 80-row query blocks without a mask and 64-row ones with it
     # (FlashAttention-4's flash_attn/cute/interface.py, _tile_size_bwd_sm90). Not part of the kernel.
@@ -171,6 +175,7 @@ class Sm90BwdTile:
                                                     (self.try_wait_first, "_tw"),
                                                     (self.k_first, "_kf"),
                                                     (self.flat_dq, "_fq")) if on)
+        options += f"_lf{self.longest_first}" if self.longest_first else ""
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"o{self.dout_stages}")
         return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_{stages}{options}"
 
@@ -223,6 +228,8 @@ class Sm90BwdTile:
                                                 (self.try_wait_first, ", try-wait first"),
                                                 (self.k_first, ", K before the first Q"),
                                                 (self.flat_dq, ", dQ staged flat")) if on)
+        if self.longest_first:
+            options += f", causal key blocks longest first by {self.longest_first} kv heads"
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"/{self.dout_stages}")
         return f"{self.tile_m}x{self.tile_n} {stages} {self.consumer_warpgroups} consumer warpgroups{options}"
 
@@ -254,6 +261,8 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
             reasons.append("split_head_dim reads dS's bytes as dS^T for dK: ds_key_major does not apply")
     elif tile.tile_n != 128:
         reasons.append(f"tile_n {tile.tile_n} != 128 (two consumer warpgroups of 64 keys)")
+    if tile.longest_first < 0:
+        reasons.append(f"longest_first {tile.longest_first} < 0 (kv heads per section; 0 is off)")
     if min(tile.q_stages, tile.dout_stages) < 1:
         reasons.append(f"{tile.q_stages} Q and {tile.dout_stages} dO stages: each needs at least one")
     if tile.early_do_release and tile.dk_before_dq:

@@ -705,3 +705,25 @@ def test_early_do_release_waits_for_dv_before_issuing_dk(tmp_path, head_dim):
 def test_early_do_release_is_for_tiles_that_issue_dq_first():
     tile = dataclasses.replace(bwd_variants.table_tile(256, masked=True)[0], early_do_release=True)
     assert tile.dk_before_dq and any("early_do_release" in r for r in bwd_variants.check(tile, 256))
+
+
+# longest_first, an option benchmarks/sweep_bwd_sm90.py --twin longest_first=N times beside the table's tiles: a causal
+# kernel's grid is 1-D (its block index decoded into key block, kv head and batch), so its SASS reads the block index's
+# x only; kernels without a causal mask, and the deterministic one (whose causal order dq_turn fixes), keep the 3-D grid
+LONGEST_FIRST = [(64, True, False), (128, True, False), (256, True, False), (128, False, False), (128, True, True)]
+
+
+@pytest.mark.parametrize("head_dim, causal, deterministic", LONGEST_FIRST, ids=lambda x: str(x))
+def test_longest_first_decodes_a_one_dimensional_grid_in_causal_kernels_only(tmp_path, head_dim, causal,
+                                                                              deterministic):
+    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=causal)[0], longest_first=16)
+    assert bwd_variants.check(tile, head_dim) == []
+    variant = Sm90BwdVariant(tile, head_dim, "bf16", causal, deterministic=deterministic)
+    sass = backward_sass(tmp_path, variant, 0)
+    one_dimensional = causal and not deterministic
+    assert "SR_CTAID.X" in sass and ("SR_CTAID.Y" in sass) != one_dimensional, variant.name
+
+
+def test_longest_first_counts_kv_heads():
+    tile = dataclasses.replace(bwd_variants.table_tile(128, masked=True)[0], longest_first=-1)
+    assert any("longest_first" in r for r in bwd_variants.check(tile, 128))

@@ -171,6 +171,17 @@ def test_split_loops_deterministic_repeats_bit_for_bit(head_dim, causal, gen):
                     tile=table_twin(head_dim, causal, split_loops=True))
 
 
+# longest_first (a causal kernel's key blocks started longest first across sections of kv heads: a 1-D grid decoded
+# into key block, kv head and batch), a template option benchmarks/sweep_bwd_sm90.py --twin longest_first=N times: the
+# table's causal tile of each kernel head dim and a padded one with sections of 3 (kv head, batch) pairs, which leave
+# SHAPES' 2, 4 and 8 pairs a part-filled last section; a CTA decoded twice or never leaves dQ, dK or dV wrong
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", (*bwd_variants.KERNEL_HEAD_DIMS, 96))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_longest_first_matches_fp64(shape, head_dim, dtype, gen):
+    check_gradients(shape, dtype, head_dim, True, gen, tile=table_twin(head_dim, True, longest_first=3))
+
+
 # try_wait_first (the consumers' waits for Q and dO a try-wait, then the wait), a template option
 # benchmarks/sweep_bwd_sm90.py --twin try_wait_first times: the d=64 and d=128 table tiles with it
 @pytest.mark.parametrize("head_dim, causal", [(d, m) for d in (64, 128) for m in (False, True)], ids=lambda x: str(x))
