@@ -39,9 +39,25 @@ def build(pointers_only: bool) -> int:
     return len(items)
 
 
+def kernel_times(step, repeats: int = 20) -> dict:
+    """{kernel name: mean device time in us per step} over ``repeats`` profiled runs of ``step``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    return {e.key[:60]: round(e.self_device_time_total / repeats, 1) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--form", choices=("jit", "prebuilt", "pointers-only"), required=True)
+    p.add_argument("--kernels", action="store_true", help="also each kernel's median time in the training step")
     args = p.parse_args()
     os.environ["ATTNFORGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnforge-prebuilt-")
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-")
@@ -76,6 +92,8 @@ def main() -> None:
         torch.autograd.grad(out, (q, k, v), dout)
 
     times["fwd+bwd 4x4096 causal ms"] = round(triton.testing.do_bench(step, rep=300), 3)
+    if args.kernels:  # each kernel's median device time in the step, from torch's profiler
+        times["fwd+bwd kernels us"] = kernel_times(step)
     prebuilt = [x for x in triton_launch._PREBUILT.values() if x is not None]
     print(json.dumps({"form": args.form, "device": torch.cuda.get_device_name(), "kernels_built": built,
                       "prebuilt_kernels_found": len(prebuilt),
