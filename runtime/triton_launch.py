@@ -3,7 +3,8 @@ kernel, target, dtype and head dim (so the first call compiles nothing), else Tr
 
 A launch is matched to a build by the kernel's file and name, the target, the dtype and the constexprs
 ``D`` (head dim; absent: a head-dim-generic kernel) and ``CAUSAL``, the names attnforge's kernels give
-them. A prebuilt kernel was compiled assuming 16-byte-aligned pointers, 32-bit integer arguments and row
+them, and by ``GROUP`` = 1 where the call passes 1 (triton_aot.AT_ONE: a build compiled for that call).
+A prebuilt kernel was compiled assuming 16-byte-aligned pointers, 32-bit integer arguments and row
 strides that are multiples of 16 (triton_aot.Prebuilt.accepts); a call that breaks any goes to the JIT,
 which specialises for it.
 """
@@ -72,6 +73,21 @@ def find_prebuilt(kernel, device: torch.device, dtype_name: str | None, constexp
     return load_cached(build, cache_dir)
 
 
+_AT_ONE_POSITIONS: dict = {}  # kernel -> ((position among a launch's arguments, name), ...) of its AT_ONE parameters
+
+
+def at_one(kernel, args: tuple) -> dict:
+    """{name: 1} for each triton_aot.AT_ONE parameter of ``kernel`` that ``args`` pass as 1: with the launch's
+    constexprs, the constants of the prebuilt kernel compiled for this call, as the JIT would compile it."""
+    positions = _AT_ONE_POSITIONS.get(kernel)
+    if positions is None:
+        from .triton_aot import AT_ONE
+
+        names = [p.name for p in getattr(kernel, "params", ()) if not p.is_constexpr]
+        positions = _AT_ONE_POSITIONS[kernel] = tuple((names.index(n), n) for n in AT_ONE if n in names)
+    return {name: 1 for i, name in positions if args[i] == 1}
+
+
 def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stages: int, *,
            dtype_name: str | None = None, **options) -> None:
     """Run ``kernel`` (a @triton.jit function whose constexpr parameters come last, in ``constexprs``'
@@ -81,10 +97,11 @@ def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stag
     data = args[0]
     if dtype_name is None:
         dtype_name = _DTYPE_NAMES.get(data.dtype)
-    key = (kernel, data.device, dtype_name, tuple(constexprs.items()), num_warps, num_stages)
+    built_as = {**constexprs, **at_one(kernel, args)}  # the build's constants: GROUP too where the call passes 1
+    key = (kernel, data.device, dtype_name, tuple(built_as.items()), num_warps, num_stages)
     prebuilt = _PREBUILT.get(key, _MISSING)
     if prebuilt is _MISSING:
-        prebuilt = _PREBUILT[key] = None if options else find_prebuilt(kernel, data.device, dtype_name, constexprs,
+        prebuilt = _PREBUILT[key] = None if options else find_prebuilt(kernel, data.device, dtype_name, built_as,
                                                                        num_warps, num_stages)
     if prebuilt is not None and prebuilt.accepts(args):
         prebuilt.kernel[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # CompiledKernel wants all three grid sides
@@ -95,3 +112,4 @@ def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stag
 def clear() -> None:
     """Forget which prebuilt kernels were found (after a new build in this process, or in tests)."""
     _PREBUILT.clear()
+    _AT_ONE_POSITIONS.clear()

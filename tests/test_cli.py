@@ -213,7 +213,8 @@ def test_build_lists_the_varlen_kernels(capsys):
     listed = capsys.readouterr().out
     for kernel in ("fwd_kernel", "dkdv_kernel", "dq_kernel"):
         assert f"{kernel}.sm90.bf16.d128.causal.varlen" in listed
-    assert "preprocess_kernel.sm90.bf16.d128.full.varlen" in listed and "8 kernels" in listed  # beside the plain 4
+    assert "preprocess_kernel.sm90.bf16.d128.full.varlen" in listed and "14 kernels" in listed  # beside the plain 7
+    assert "dkdv_kernel.sm90.bf16.d128.causal.varlen.group1" in listed  # (GROUP = 1 builds: aot.at_one)
     assert "fwd_m128_n64_w8_s3_ptr.fwd_kernel.sm90.bf16.d128.causal.varlen" in listed  # pointer loads
 
 

@@ -3,7 +3,9 @@ runtime.triton_aot.KernelBuild, with the signature the module's launch() calls i
 
 from __future__ import annotations
 
-from ...runtime.triton_aot import KernelBuild, kernel_function
+import dataclasses
+
+from ...runtime.triton_aot import AT_ONE, KernelBuild, kernel_function
 
 # Pointer arguments that hold fp32 or int32 whatever the inputs' dtype; every other pointer holds the data dtype.
 FP32_POINTERS = {"LSE", "DELTA", "SINKS", "SLOPES", "O_PART", "LSE_PART", "DESCALE"}
@@ -79,9 +81,20 @@ def builds(variant, path) -> list[KernelBuild]:
         flags = {name: on for name, on in flags.items() if name in names}
         causal = flags.get("CAUSAL", False)
         constexprs = (("HEAD_DIM", pad), ("D", variant.head_dim)) + tuple(flags.items())
-        out.append(KernelBuild(str(path), tile.module, kernel, variant.arch, variant.dtype, variant.head_dim, causal,
-                               tile.num_warps, tile.num_stages, sig, constexprs, aligned, options))
+        build = KernelBuild(str(path), tile.module, kernel, variant.arch, variant.dtype, variant.head_dim, causal,
+                            tile.num_warps, tile.num_stages, sig, constexprs, aligned, options)
+        out += [build, *at_one(build)]
     return out
+
+
+def at_one(build: KernelBuild) -> list[KernelBuild]:
+    """``build`` compiled for calls that pass GROUP = 1 (no grouped-query attention), as the JIT compiles those
+    (triton_aot.AT_ONE): for NVIDIA targets, whose launches load prebuilt kernels, where the kernel has GROUP."""
+    if build.amd or "GROUP" not in dict(build.signature):
+        return []
+    signature = tuple((name, "constexpr" if name in AT_ONE else kind) for name, kind in build.signature)
+    constants = tuple((name, 1) for name in AT_ONE if name in dict(build.signature))
+    return [dataclasses.replace(build, signature=signature, constexprs=build.constexprs + constants)]
 
 
 def kvcache_builds(variant, path) -> list[KernelBuild]:

@@ -151,3 +151,35 @@ def test_multiples_of_16_are_integer_parameters_counted_without_constexprs():
                  ("B", "constexpr"))
     assert triton_aot.multiples_of_16(signature, ("X", "stride_b")) == (3,)
     assert triton_aot.multiples_of_16(signature, ("X",)) == ()
+
+
+def test_a_build_for_group_one_keeps_the_launch_positions_and_takes_only_calls_that_pass_one():
+    """A GROUP = 1 build (AT_ONE) compiles GROUP as a constant, but the launch still passes it in its place: the
+    multiples of 16 after it keep their positions, and the build serves only calls that pass 1 there."""
+    generic = (("X", "*fp16"), ("stride_a", "i32"), ("GROUP", "i32"), ("stride_b", "i32"), ("B", "constexpr"))
+    at_one = tuple((name, "constexpr" if name == "GROUP" else kind) for name, kind in generic)
+    for signature in (generic, at_one):
+        assert [n for n, _ in triton_aot.launch_parameters(signature)] == ["X", "stride_a", "GROUP", "stride_b"]
+        assert triton_aot.multiples_of_16(signature, ("X", "stride_a", "stride_b")) == (1, 3)
+    assert triton_aot.ones(generic) == () and triton_aot.ones(at_one) == (2,)
+    prebuilt = triton_aot.Prebuilt(None, (1, 3), (2,))
+    assert prebuilt.accepts((_Tensor(4096), 32, 1, 64))
+    assert not prebuilt.accepts((_Tensor(4096), 32, 4, 64))  # a grouped-query call goes to the generic build
+
+
+def test_a_launch_looks_up_the_group_one_build_only_for_calls_that_pass_one():
+    from attnforge.runtime import triton_launch
+
+    class Param:
+        def __init__(self, name, is_constexpr=False):
+            self.name, self.is_constexpr = name, is_constexpr
+
+    class Kernel:
+        params = [Param("X"), Param("stride_a"), Param("GROUP"), Param("B", True)]
+
+    kernel = Kernel()
+    assert triton_launch.at_one(kernel, (_Tensor(0), 16, 1)) == {"GROUP": 1}
+    assert triton_launch.at_one(kernel, (_Tensor(0), 16, 4)) == {}
+    Kernel.params = [Param("X"), Param("N")]
+    assert triton_launch.at_one(Kernel(), (_Tensor(0), 1)) == {}  # no GROUP parameter
+    triton_launch.clear()

@@ -2,6 +2,7 @@
 and the machine code shows what the target must use."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -22,6 +23,22 @@ def plan(archs, **kw):
                               for b in backend.builds(v)))
 
 
+# The kernels of a forward and backward variant's builds for an NVIDIA target: each kernel with a GROUP parameter
+# twice, the second compiled for calls that pass GROUP = 1 (aot.at_one), as the JIT compiles those.
+ATTENTION_KERNELS = ["dkdv_kernel", "dkdv_kernel.group1", "dq_kernel", "dq_kernel.group1", "fwd_kernel",
+                     "fwd_kernel.group1", "preprocess_kernel"]
+
+
+def kernels(builds) -> list[str]:
+    """The builds' kernel names, ".group1" added where a build compiles GROUP as 1."""
+    return sorted(b.kernel + (".group1" if dict(b.constexprs).get("GROUP") == 1 else "") for b in builds)
+
+
+# Spills of GROUP = 1 builds, measured: the JIT compiles a call without grouped-query attention the same way, so
+# these are the spills such a call has had under the JIT too (Triton 3.9; the generic builds spill nothing)
+AT_ONE_SPILL_BYTES = {("sm80", 256, "dq_kernel.group1"): 8}
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("kernels")
@@ -32,13 +49,14 @@ def cache(tmp_path_factory):
 def test_ampere_ada_kernels_use_tensor_cores_and_do_not_spill(arch, head_dim, cache):
     """Spills are asserted with the Triton release the tiles were swept with (variants.SPILL_CHECKED_WITH)."""
     builds = plan([arch], dtypes=("bf16",), head_dims=(head_dim,), causal=(True,))
-    assert sorted(b.kernel for b in builds) == ["dkdv_kernel", "dq_kernel", "fwd_kernel", "preprocess_kernel"]
+    assert kernels(builds) == ATTENTION_KERNELS
     for b in builds:
         meta, _ = triton_aot.build_cached(b, cache, keep_asm=True)
         if b.kernel != "preprocess_kernel":
             assert any(i.startswith("HMMA.16816") for i in meta["instructions"]), (b.name(), meta["instructions"])
         if triton.__version__.startswith(variants.SPILL_CHECKED_WITH + "."):  # what CI installs
-            assert meta["stack_bytes"] == 0, f"{b.name()} spills {meta['stack_bytes']} B to local memory"
+            allowed = AT_ONE_SPILL_BYTES.get((arch, head_dim, kernels([b])[0]), 0)
+            assert meta["stack_bytes"] <= allowed, f"{b.name()} spills {meta['stack_bytes']} B to local memory"
         assert meta["shared_bytes"] <= variants.SMEM[arch], b.name()
 
 
@@ -47,7 +65,7 @@ def test_hopper_kernels_use_wgmma_and_tma(head_dim, cache):
     # sm90's backward tiles were chosen by speed on the H200 (Triton 3.6 there); with CI's Triton
     # their dK/dV kernel spills at d=128, so spills are not asserted for sm90.
     builds = plan(["sm90"], dtypes=("bf16",), head_dims=(head_dim,), causal=(False,))
-    assert sorted(b.kernel for b in builds) == ["dkdv_kernel", "dq_kernel", "fwd_kernel", "preprocess_kernel"]
+    assert kernels(builds) == ATTENTION_KERNELS
     for b in builds:
         meta, _ = triton_aot.build_cached(b, cache, keep_asm=True)
         if b.kernel == "fwd_kernel":
@@ -57,7 +75,8 @@ def test_hopper_kernels_use_wgmma_and_tma(head_dim, cache):
 
 
 def test_cache_hits_and_rebuilds_corrupt_entries(tmp_path):
-    (b,) = [x for x in plan(["sm80"], dtypes=("fp16",), head_dims=(64,), causal=(True,)) if x.kernel == "fwd_kernel"]
+    (b,) = [x for x in plan(["sm80"], dtypes=("fp16",), head_dims=(64,), causal=(True,))
+            if x.kernel == "fwd_kernel" and "GROUP" not in dict(x.constexprs)]
     meta, built = triton_aot.build_cached(b, tmp_path)
     assert built and (tmp_path / meta["key"] / "kernel.cubin").is_file()
     again, built = triton_aot.build_cached(b, tmp_path)
@@ -71,7 +90,8 @@ def test_cache_hits_and_rebuilds_corrupt_entries(tmp_path):
 
 def test_cache_key_follows_source_and_target():
     fwd = [b for b in plan(["sm80", "sm89"], dtypes=("bf16",), head_dims=(64,)) if b.kernel == "fwd_kernel"]
-    assert len({triton_aot.fingerprint(b) for b in fwd}) == len(fwd) == 4
+    # full and causal, each generic and for GROUP = 1, on two archs
+    assert len({triton_aot.fingerprint(b) for b in fwd}) == len(fwd) == 8
     # the kernel file's source is in the key: the same build naming another rendered module's file is another entry
     other = TritonVariant("fwd", variants.FwdTile(32, 32, 4, 1), "triton_fa2_fwd.py.jinja", "sm80", 64, "bf16", False)
     other_path = registered()["triton_fa2"].builds(other)[0].path
@@ -82,19 +102,20 @@ def test_cache_key_follows_source_and_target():
 def test_build_cli(tmp_path, capsys):
     assert main(["build", "--target", "sm89", "--head-dim", "64", "--dtype", "fp16", "--list"]) == 0
     listed = capsys.readouterr().out
-    assert "fwd_kernel.sm89.fp16.d64.causal" in listed and "7 kernels" in listed
+    assert "fwd_kernel.sm89.fp16.d64.causal" in listed and "13 kernels" in listed
+    assert "dkdv_kernel.sm89.fp16.d64.causal.group1" in listed
     assert main(["build", "--target", "sm89", "--head-dim", "64", "--dtype", "fp16", "--causal", "true",
                  "--out", str(tmp_path), "--keep-asm"]) == 0
     out, err = capsys.readouterr()
-    assert "4 kernels in" in out and "[4/4]" in err and "HMMA" in err
-    assert len(list(tmp_path.glob("*/kernel.sass"))) == 4
+    assert "7 kernels in" in out and "[7/7]" in err and "HMMA" in err
+    assert len(list(tmp_path.glob("*/kernel.sass"))) == 7
     assert main(["build", "--target", "sm75", "--list"]) == 2
     assert "unknown build target 'sm75'" in capsys.readouterr().err
     # --features: the windowed kernels, and softcap with sinks in one, beside the plain ones
     assert main(["build", "--target", "sm89", "--head-dim", "64", "--dtype", "fp16", "--causal", "true",
                  "--features", "window,softcap+sinks", "--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
-    assert "fwd_kernel.sm89.fp16.d64.full.local" in "\n".join(listed) and "10 kernels" in listed[-1]
+    assert "fwd_kernel.sm89.fp16.d64.full.local" in "\n".join(listed) and "19 kernels" in listed[-1]
     assert any(line.endswith("fwd_kernel.sm89.fp16.d64.causal.softcap.has_sinks") for line in listed)
     with pytest.raises(SystemExit):
         main(["build", "--target", "sm89", "--features", "window+bogus", "--list"])
@@ -254,3 +275,17 @@ def test_row_strides_are_specialised_only_where_the_head_dim_makes_them_multiple
         _, aligned = aot.signature(fn, "bf16", head_dim)
         assert strides <= set(aligned) and (strides or not [a for a in aligned if a.startswith("stride")]), aligned
         assert not aot.UNALIGNED_STRIDES & set(aligned)
+
+
+def test_group_one_builds_drop_the_loop_over_the_group(cache):
+    """Each kernel with a GROUP parameter is built a second time for calls that pass GROUP = 1 (aot.at_one), as
+    Triton's JIT compiles those: the dK/dV kernel then has no loop over the group, and fewer instructions."""
+    builds = [b for b in plan(["sm90"], dtypes=("bf16",), head_dims=(128,), causal=(True,)) if b.kernel == "dkdv_kernel"]
+    assert kernels(builds) == ["dkdv_kernel", "dkdv_kernel.group1"]
+    counts = []
+    for b in builds:
+        triton_aot.build_cached(b, cache, keep_asm=True)
+        sass = (triton_aot.entry_path(b, cache) / "kernel.sass").read_text()
+        counts.append(len(re.findall(r"^\S*\t", sass, re.M)))
+    generic, at_one = counts
+    assert at_one < 0.95 * generic, counts
