@@ -23,6 +23,11 @@ grads = torch.autograd.grad(out, (q, k, v), dout)
 t = lambda x: x.transpose(1, 2)
 ref, _, ref_grads = oracle(t(q), t(k), t(v), causal=True, dout=t(dout))
 print("errors", rel_error(t(out), ref), *(rel_error(t(g), r) for g, r in zip(grads, ref_grads)))
+k, v = (x[:, :, :2].detach().clone().requires_grad_() for x in (k, v))  # grouped-query: 2 query heads per KV head
+out = attnforge.attention(q, k, v, causal=True, layout="bshd", backend="triton_fa2")
+grads = torch.autograd.grad(out, (q, k, v), dout)
+ref, _, ref_grads = oracle(t(q), t(k), t(v), causal=True, dout=t(dout))
+print("gqa_errors", rel_error(t(out), ref), *(rel_error(t(g), r) for g, r in zip(grads, ref_grads)))
 print("prebuilt", sum(x is not None for x in triton_launch._PREBUILT.values()), len(triton_launch._PREBUILT))
 """
 
@@ -39,8 +44,11 @@ def test_first_call_uses_prebuilt_kernels(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "run")
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    errors = [float(x) for x in run.stdout.split("errors")[1].split()[:4]]
-    assert all(e < 1e-2 for e in errors), run.stdout  # bf16 against fp64
-    assert "prebuilt 4 4" in run.stdout, run.stdout  # fwd, preprocess, dkdv, dq all from the build
+    for label in ("errors", "gqa_errors"):
+        errors = [float(x) for x in ("\n" + run.stdout).split(f"\n{label} ")[1].split()[:4]]
+        assert all(e < 1e-2 for e in errors), run.stdout  # bf16 against fp64
+    # fwd, dkdv and dq built for GROUP = 1 (the first call) and generic (the grouped-query call), and preprocess: all
+    # from the build
+    assert "prebuilt 7 7" in run.stdout, run.stdout
     compiled = list((tmp_path / "run").rglob("*.cubin"))
     assert compiled == [], f"Triton compiled at run time: {compiled}"
