@@ -57,7 +57,7 @@ def kernel_times(step, repeats: int = 20) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--form", choices=("jit", "prebuilt", "pointers-only"), required=True)
-    p.add_argument("--kernels", action="store_true", help="also each kernel's median time in the training step")
+    p.add_argument("--kernels", action="store_true", help="also each kernel's mean time in the training step")
     args = p.parse_args()
     os.environ["ATTNFORGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnforge-prebuilt-")
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-")
@@ -92,7 +92,7 @@ def main() -> None:
         torch.autograd.grad(out, (q, k, v), dout)
 
     times["fwd+bwd 4x4096 causal ms"] = round(triton.testing.do_bench(step, rep=300), 3)
-    if args.kernels:  # each kernel's median device time in the step, from torch's profiler
+    if args.kernels:  # each kernel's mean device time in the step, from torch's profiler
         times["fwd+bwd kernels us"] = kernel_times(step)
     prebuilt = [x for x in triton_launch._PREBUILT.values() if x is not None]
     print(json.dumps({"form": args.form, "device": torch.cuda.get_device_name(), "kernels_built": built,

@@ -97,7 +97,8 @@ def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stag
     data = args[0]
     if dtype_name is None:
         dtype_name = _DTYPE_NAMES.get(data.dtype)
-    built_as = {**constexprs, **at_one(kernel, args)}  # the build's constants: GROUP too where the call passes 1
+    ones = at_one(kernel, args)
+    built_as = {**constexprs, **ones} if ones else constexprs  # the build's constants: GROUP too where it is 1
     key = (kernel, data.device, dtype_name, tuple(built_as.items()), num_warps, num_stages)
     prebuilt = _PREBUILT.get(key, _MISSING)
     if prebuilt is _MISSING:

@@ -90,11 +90,11 @@ def builds(variant, path) -> list[KernelBuild]:
 def at_one(build: KernelBuild) -> list[KernelBuild]:
     """``build`` compiled for calls that pass GROUP = 1 (no grouped-query attention), as the JIT compiles those
     (triton_aot.AT_ONE): for NVIDIA targets, whose launches load prebuilt kernels, where the kernel has GROUP."""
-    if build.amd or "GROUP" not in dict(build.signature):
+    names = [name for name, _ in build.signature if name in AT_ONE]
+    if build.amd or not names:
         return []
-    signature = tuple((name, "constexpr" if name in AT_ONE else kind) for name, kind in build.signature)
-    constants = tuple((name, 1) for name in AT_ONE if name in dict(build.signature))
-    return [dataclasses.replace(build, signature=signature, constexprs=build.constexprs + constants)]
+    signature = tuple((name, "constexpr" if name in names else kind) for name, kind in build.signature)
+    return [dataclasses.replace(build, signature=signature, constexprs=build.constexprs + tuple((n, 1) for n in names))]
 
 
 def kvcache_builds(variant, path) -> list[KernelBuild]:
