@@ -13,7 +13,12 @@ bandwidth (the roofline docs/performance.md measures decode against), SDPA (enab
 one "layers" replay under torch.profiler: each kernel's own device time. KV bandwidth = K and V bytes read once per
 call / time. Outputs are checked against fp32 math first. Kernel speed, not model speed.
 
-    python benchmarks/decode_floor.py [--layers 16] [--json out.json]
+``--paged`` adds the same caches as pages of 64 in a shuffled pool (bench_kvcache.paged_copy), through the call and at
+8, 16, 32 and 64 splits (or ``--splits``); ``--sweep`` adds the KV-cache kernel's tiles at those split counts, contiguous and paged,
+each timed per layer the same way (through the backend's forward, as bench_kvcache.py --sweep does).
+
+    python benchmarks/decode_floor.py [--layers 16] [--batch 1] [--paged] [--splits 8,16,32] [--sweep [--tiles 16,128,4,2;...]]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench_kvcache import copy_bandwidth, graphed  # noqa: E402 (run from benchmarks/, which Python puts on the path)
+from bench_kvcache import copy_bandwidth, graphed, paged_copy  # noqa: E402 (run from benchmarks/, which Python puts on the path)
 
 BATCH, SEQLEN, HEADS_Q, HEADS_KV, HEAD_DIM = 1, 8192, 32, 8, 128
 
@@ -36,6 +41,30 @@ def graph_of(fns):
     return graphed(lambda: [fn() for fn in fns])
 
 
+# (block_m, block_n, warps, stages) of the KV-cache kernel, swept with --sweep
+SWEEP_TILES = ((16, 128, 4, 2), (16, 128, 4, 3), (16, 128, 8, 3), (16, 64, 4, 3), (16, 64, 8, 4))
+
+
+def forced(q, kc, vc, seqlens, tile, splits, paged=None):
+    """A call of triton_fa2's KV-cache kernel with ``tile`` and ``splits``, through the backend's forward; ``paged``:
+    (K pages, V pages, block table) of the same cache."""
+    from attnforge.backends.triton_fa2.backend import TritonVariant
+    from attnforge.backends.triton_fa2.variants import KVTile
+    from attnforge.dispatch.call import Call, KVCache
+    from attnforge.dispatch.mask import Mask
+    from attnforge.dispatch.registry import get
+
+    table = None
+    if paged is not None:
+        kc, vc, table = paged
+    variant = TritonVariant("kvcache", KVTile(*tile), "triton_kvcache.py.jinja", "sm90", HEAD_DIM, "bf16", False,
+                            paged=table is not None)
+    call = Call(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), HEAD_DIM ** -0.5, Mask(),
+                cache=KVCache(seqlens, None, table, SEQLEN, splits, None))
+    backend = get("triton_fa2")
+    return lambda: backend.forward(variant, call)[0].transpose(1, 2)
+
+
 def median_us(fn) -> float:
     import triton.testing
 
@@ -43,12 +72,22 @@ def median_us(fn) -> float:
 
 
 def main(argv=None) -> int:
+    global BATCH
     import attnforge
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--paged", action="store_true", help="also the caches in pages of 64")
+    p.add_argument("--sweep", action="store_true", help="also the KV-cache kernel's tiles (with --paged: paged too)")
+    p.add_argument("--tiles", help="--sweep's tiles: block_m,block_n,warps,stages;... (default SWEEP_TILES)")
+    p.add_argument("--splits", default="8,16,32", help="split counts timed beside the heuristic's (default 8,16,32;"
+                   " the paged and swept ones add 64)")
+    p.add_argument("--batch", type=int, default=BATCH, help="sequences per call (default 1)")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    BATCH = args.batch
+    tiles = (SWEEP_TILES if not args.tiles else
+             tuple(tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";")))
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(BATCH, 1, HEADS_Q, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
     caches = [tuple(torch.randn(BATCH, SEQLEN, HEADS_KV, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
@@ -68,8 +107,34 @@ def main(argv=None) -> int:
                                                       enable_gqa=True)
 
     makers = {"attnforge (heuristic splits)": ours, "sdpa": sdpa, "copy of the same bytes": None}
-    for splits in (8, 16, 32):
+    split_counts = tuple(int(x) for x in args.splits.split(","))
+    more_splits = split_counts + ((64,) if args.splits == "8,16,32" else ())
+    for splits in split_counts:
         makers[f"attnforge {splits} splits"] = lambda kc, vc, s=splits: ours(kc, vc, s)
+    pages = {}  # id of a layer's K cache -> (its K pages, V pages, block table)
+    if args.paged:
+        for kc, vc in caches:
+            kp, table = paged_copy(kc, gen)
+            vp = torch.empty_like(kp)
+            vp[table.long()] = vc.reshape(BATCH, -1, *kp.shape[1:])
+            pages[id(kc)] = (kp, vp, table)
+
+        def paged(kc, vc, splits=0):
+            kp, vp, table = pages[id(kc)]
+            return lambda: attnforge.attention_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table,
+                                                            num_splits=splits, check_inputs=False)
+
+        makers["attnforge paged64 (heuristic splits)"] = paged
+        for splits in more_splits:
+            makers[f"attnforge paged64 {splits} splits"] = lambda kc, vc, s=splits: paged(kc, vc, s)
+    if args.sweep:
+        for layout in ("contiguous", "paged64") if args.paged else ("contiguous",):
+            for tile in tiles:
+                for splits in more_splits:
+                    makers[f"{layout} {tile} {splits} splits"] = (
+                        lambda kc, vc, t=tile, s=splits, lay=layout: forced(q, kc, vc, seqlens, t, s,
+                                                                             pages.get(id(kc)) if lay != "contiguous"
+                                                                             else None))
 
     # correctness first: against fp32 math on the first cache
     kc, vc = caches[0]
@@ -82,7 +147,8 @@ def main(argv=None) -> int:
             if not err <= bound:
                 raise SystemExit(f"{name}: max error {err:.3g} against fp32 math (bound {bound:.3g})")
 
-    rows = {"kv_bytes": kv_bytes, "copy_2gib_bytes_per_s": copy_bps, "layers": args.layers, "runners": {}}
+    rows = {"batch": BATCH, "kv_bytes": kv_bytes, "copy_2gib_bytes_per_s": copy_bps, "layers": args.layers,
+            "runners": {}}
     replays = {}  # name -> the replay of its graph of LAYERS calls
     for name, make in makers.items():
         if make is None:
