@@ -112,6 +112,12 @@ class Prebuilt:
 # kernels' loop over the group (triton_fa2's causal dK/dV kernel at d=128 on sm90: 2488 instructions against 2776). The
 # launch still passes the argument in its place (the kernel's signature is unchanged: only the build's is).
 AT_ONE = ("GROUP",)
+# Sizes a GROUP = 1 build also compiles as multiples of 16, as the JIT compiles a call whose sequence lengths are
+# (the common training call): triton_fa2's sm90 d=128 causal dK/dV kernel then spills 64 bytes instead of 120 and has
+# 2392 instructions instead of 2488 (Triton 3.9): the likely cause of its running 19% slower prebuilt than JIT
+# (1468.5 against 1236.9 us, H100, 4 x 4096 x 16 heads; docs/performance.md; not re-timed since). A call with other
+# lengths runs the generic build (triton_launch.launch), which compiles nothing at run time either.
+COMMON_MULTIPLES_OF_16 = ("N_Q", "N_K")
 
 
 def launch_parameters(signature) -> list[tuple[str, str]]:
@@ -175,8 +181,9 @@ def compile_kernel(build: KernelBuild):
 
 
 # How builds specialise their arguments, in the cache key: "2" since integer parameters (row strides) are compiled as
-# multiples of 16 where the JIT would be; entries built before, with only the pointers aligned, are not reused.
-SPECIALISATION = "2"
+# multiples of 16 where the JIT would be; entries built before, with only the pointers aligned, are not reused. "3"
+# since GROUP = 1 builds take the sequence lengths as multiples of 16 too (COMMON_MULTIPLES_OF_16).
+SPECIALISATION = "3"
 
 
 def fingerprint(build: KernelBuild) -> str:

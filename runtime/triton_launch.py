@@ -3,7 +3,8 @@ kernel, target, dtype and head dim (so the first call compiles nothing), else Tr
 
 A launch is matched to a build by the kernel's file and name, the target, the dtype and the constexprs
 ``D`` (head dim; absent: a head-dim-generic kernel) and ``CAUSAL``, the names attnforge's kernels give
-them, and by ``GROUP`` = 1 where the call passes 1 (triton_aot.AT_ONE: a build compiled for that call).
+them, and by ``GROUP`` = 1 where the call passes 1 (triton_aot.AT_ONE: a build compiled for that call,
+its sequence lengths as multiples of 16; a call it does not take runs the generic build).
 A prebuilt kernel was compiled assuming 16-byte-aligned pointers, 32-bit integer arguments and row
 strides that are multiples of 16 (triton_aot.Prebuilt.accepts); a call that breaks any goes to the JIT,
 which specialises for it.
@@ -97,17 +98,31 @@ def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int, num_stag
     data = args[0]
     if dtype_name is None:
         dtype_name = _DTYPE_NAMES.get(data.dtype)
-    ones = at_one(kernel, args)
-    built_as = {**constexprs, **ones} if ones else constexprs  # the build's constants: GROUP too where it is 1
-    key = (kernel, data.device, dtype_name, tuple(built_as.items()), num_warps, num_stages)
-    prebuilt = _PREBUILT.get(key, _MISSING)
-    if prebuilt is _MISSING:
-        prebuilt = _PREBUILT[key] = None if options else find_prebuilt(kernel, data.device, dtype_name, built_as,
-                                                                       num_warps, num_stages)
-    if prebuilt is not None and prebuilt.accepts(args):
+    prebuilt = None
+    if not options:
+        ones = at_one(kernel, args)
+        # the GROUP = 1 build for a call that passes 1, then (for a call it does not take: lengths that are not
+        # multiples of 16, say) the generic one
+        for built_ones in (ones, {}) if ones else ({},):
+            found = _prebuilt(kernel, data.device, dtype_name, constexprs, num_warps, num_stages, built_ones)
+            if found is not None and found.accepts(args):
+                prebuilt = found
+                break
+    if prebuilt is not None:
         prebuilt.kernel[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # CompiledKernel wants all three grid sides
     else:
         kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options)
+
+
+def _prebuilt(kernel, device, dtype_name, constexprs: dict, num_warps: int, num_stages: int, ones: dict):
+    """The prebuilt kernel for a launch (the build with ``ones``' parameters compiled as 1 where given), found once
+    per process, or None."""
+    built_as = {**constexprs, **ones} if ones else constexprs  # the build's constants: GROUP too where it is 1
+    key = (kernel, device, dtype_name, tuple(built_as.items()), num_warps, num_stages)
+    prebuilt = _PREBUILT.get(key, _MISSING)
+    if prebuilt is _MISSING:
+        prebuilt = _PREBUILT[key] = find_prebuilt(kernel, device, dtype_name, built_as, num_warps, num_stages)
+    return prebuilt
 
 
 def clear() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...runtime.triton_aot import AT_ONE, KernelBuild, kernel_function
+from ...runtime.triton_aot import AT_ONE, COMMON_MULTIPLES_OF_16, KernelBuild, kernel_function
 
 # Pointer arguments that hold fp32 or int32 whatever the inputs' dtype; every other pointer holds the data dtype.
 FP32_POINTERS = {"LSE", "DELTA", "SINKS", "SLOPES", "O_PART", "LSE_PART", "DESCALE"}
@@ -88,13 +88,16 @@ def builds(variant, path) -> list[KernelBuild]:
 
 
 def at_one(build: KernelBuild) -> list[KernelBuild]:
-    """``build`` compiled for calls that pass GROUP = 1 (no grouped-query attention), as the JIT compiles those
-    (triton_aot.AT_ONE): for NVIDIA targets, whose launches load prebuilt kernels, where the kernel has GROUP."""
+    """``build`` compiled for the common call as the JIT compiles it (triton_aot.AT_ONE, COMMON_MULTIPLES_OF_16):
+    GROUP = 1 (no grouped-query attention) and the sequence lengths multiples of 16. For NVIDIA targets, whose
+    launches load prebuilt kernels, where the kernel has GROUP; a call this build does not take runs ``build``."""
     names = [name for name, _ in build.signature if name in AT_ONE]
     if build.amd or not names:
         return []
     signature = tuple((name, "constexpr" if name in names else kind) for name, kind in build.signature)
-    return [dataclasses.replace(build, signature=signature, constexprs=build.constexprs + tuple((n, 1) for n in names))]
+    sizes = tuple(name for name, _ in build.signature if name in COMMON_MULTIPLES_OF_16)
+    return [dataclasses.replace(build, signature=signature, constexprs=build.constexprs + tuple((n, 1) for n in names),
+                                aligned=build.aligned + sizes)]
 
 
 def kvcache_builds(variant, path) -> list[KernelBuild]:

@@ -183,3 +183,47 @@ def test_a_launch_looks_up_the_group_one_build_only_for_calls_that_pass_one():
     Kernel.params = [Param("X"), Param("N")]
     assert triton_launch.at_one(Kernel(), (_Tensor(0), 1)) == {}  # no GROUP parameter
     triton_launch.clear()
+
+
+def test_a_call_the_group_one_build_does_not_take_runs_the_generic_build(monkeypatch):
+    """The GROUP = 1 build also compiles the sequence lengths as multiples of 16 (COMMON_MULTIPLES_OF_16): a call
+    with GROUP = 1 and other lengths runs the generic build, a grouped-query call too, and the JIT only where no
+    build takes the call."""
+    from attnforge.runtime import triton_launch
+
+    ran = []
+
+    class Compiled:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args: ran.append(self.name)
+
+    class Param:
+        def __init__(self, name, is_constexpr=False):
+            self.name, self.is_constexpr = name, is_constexpr
+
+    class Kernel:
+        params = [Param("X"), Param("N_Q"), Param("GROUP"), Param("B", True)]
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: ran.append("jit")
+
+    class Tensor(_Tensor):
+        device = "cuda:0"
+
+    # positions among the launch's arguments (X, N_Q, GROUP): N_Q a multiple of 16 and GROUP 1 in the GROUP = 1 build
+    builds = {True: triton_aot.Prebuilt(Compiled("group1"), (1,), (2,)), False: triton_aot.Prebuilt(Compiled("generic"))}
+    monkeypatch.setattr(triton_launch, "find_prebuilt", lambda kernel, device, dtype, constexprs, *rest:
+                        builds[constexprs.get("GROUP") == 1])
+    kernel, x = Kernel(), Tensor(4096)
+    triton_launch.clear()
+    for args in ((x, 4096, 1), (x, 4095, 1), (x, 4096, 4)):
+        triton_launch.launch(kernel, (1,), args, {"B": 4}, 4, 1, dtype_name="bf16")
+    assert ran == ["group1", "generic", "generic"]
+    builds[False] = None  # no generic build: the call the GROUP = 1 build does not take compiles
+    triton_launch.clear()
+    triton_launch.launch(kernel, (1,), (x, 4095, 1), {"B": 4}, 4, 1, dtype_name="bf16")
+    assert ran[-1] == "jit"
+    triton_launch.clear()

@@ -277,15 +277,21 @@ def test_row_strides_are_specialised_only_where_the_head_dim_makes_them_multiple
         assert not aot.UNALIGNED_STRIDES & set(aligned)
 
 
-def test_group_one_builds_drop_the_loop_over_the_group(cache):
-    """Each kernel with a GROUP parameter is built a second time for calls that pass GROUP = 1 (aot.at_one), as
-    Triton's JIT compiles those: the dK/dV kernel then has no loop over the group, and fewer instructions."""
+def test_group_one_builds_drop_the_loop_over_the_group(cache, tmp_path):
+    """Each kernel with a GROUP parameter is built a second time for the common call as Triton's JIT compiles it
+    (aot.at_one): GROUP = 1, so the dK/dV kernel has no loop over the group, and sequence lengths that are
+    multiples of 16 (triton_aot.COMMON_MULTIPLES_OF_16), which take further instructions off."""
     builds = [b for b in plan(["sm90"], dtypes=("bf16",), head_dims=(128,), causal=(True,)) if b.kernel == "dkdv_kernel"]
     assert kernels(builds) == ["dkdv_kernel", "dkdv_kernel.group1"]
+    generic_build, common_build = sorted(builds, key=lambda b: kernels([b])[0])
+    assert set(triton_aot.COMMON_MULTIPLES_OF_16) <= set(common_build.aligned) - set(generic_build.aligned)
+    # the same build with its lengths unspecialised: the same cache key (a launch finds a build by its constants and
+    # reads what it assumes from the entry), so it goes into a cache of its own
+    any_lengths = dataclasses.replace(common_build, aligned=generic_build.aligned)
     counts = []
-    for b in builds:
-        triton_aot.build_cached(b, cache, keep_asm=True)
-        sass = (triton_aot.entry_path(b, cache) / "kernel.sass").read_text()
+    for b, where in ((generic_build, cache), (any_lengths, tmp_path), (common_build, cache)):
+        triton_aot.build_cached(b, where, keep_asm=True)
+        sass = (triton_aot.entry_path(b, where) / "kernel.sass").read_text()
         counts.append(len(re.findall(r"^\S*\t", sass, re.M)))
-    generic, at_one = counts
-    assert at_one < 0.95 * generic, counts
+    generic, at_one, common = counts
+    assert at_one < 0.95 * generic and common < at_one, counts
