@@ -187,8 +187,8 @@ def test_a_launch_looks_up_the_group_one_build_only_for_calls_that_pass_one():
 
 def test_a_call_the_group_one_build_does_not_take_runs_the_generic_build(monkeypatch):
     """The GROUP = 1 build also compiles the sequence lengths as multiples of 16 (COMMON_MULTIPLES_OF_16): a call
-    with GROUP = 1 and other lengths runs the generic build, a grouped-query call too, and the JIT only where no
-    build takes the call."""
+    with GROUP = 1 and other lengths runs the generic build, a grouped-query call too, a GROUP = 1 call of a kernel
+    with no GROUP = 1 build as well, and the JIT only where no build takes the call."""
     from attnforge.runtime import triton_launch
 
     ran = []
@@ -222,7 +222,11 @@ def test_a_call_the_group_one_build_does_not_take_runs_the_generic_build(monkeyp
     for args in ((x, 4096, 1), (x, 4095, 1), (x, 4096, 4)):
         triton_launch.launch(kernel, (1,), args, {"B": 4}, 4, 1, dtype_name="bf16")
     assert ran == ["group1", "generic", "generic"]
-    builds[False] = None  # no generic build: the call the GROUP = 1 build does not take compiles
+    builds[True] = None  # a kernel built only generically (the KV-cache kernels): a GROUP = 1 call takes that build
+    triton_launch.clear()
+    triton_launch.launch(kernel, (1,), (x, 4096, 1), {"B": 4}, 4, 1, dtype_name="bf16")
+    assert ran[-1] == "generic"
+    builds[False] = None  # no build at all: the call compiles
     triton_launch.clear()
     triton_launch.launch(kernel, (1,), (x, 4095, 1), {"B": 4}, 4, 1, dtype_name="bf16")
     assert ran[-1] == "jit"
