@@ -298,7 +298,9 @@ class TritonFA2Backend(Backend):
         tile = variant.tile
         ctas = -(-seqlen_q * (heads // k.shape[1]) // tile.block_m) * batch * k.shape[1]
         splits, per_split = variants.kv_splits(ctas, cache.longest, tile.block_n, self._multiprocessors(q.device),
-                                               cache.num_splits, paged=cache.block_table is not None)
+                                               cache.num_splits, paged=cache.block_table is not None,
+                                               ctas_per_multiprocessor=variants.kv_ctas_per_multiprocessor(
+                                                   tile, variant.arch, variant.head_dim))
         sinks = None if call.sinks is None else call.sinks.to(torch.float32).contiguous()
         variant.module.launch(q, k, v, out, lse, cache.seqlens, causal=variant.causal, scale=call.scale,
                               num_splits=splits, keys_per_split=per_split, leftpad=cache.leftpad,

@@ -243,18 +243,19 @@ PAGED_CTAS_PER_MULTIPROCESSOR = 32
 # Split-KV: a call whose batch x KV heads x row tiles fills at least SPLIT_BELOW_FILL of the multiprocessors runs
 # unsplit (contiguous; same H200 sweep: 128 tiles on 132 SMs ran 2% faster unsplit than in 2 splits) or splits
 # towards PAGED_CTAS_PER_MULTIPROCESSOR (paged). A call with fewer tiles splits into the largest power of two that
-# keeps its CTAs within one wave: one CTA per multiprocessor for the contiguous tile (its 3 stages of 128-key K and
-# V take 128 KB of shared memory), WAVE_CTAS_PAGED for the paged one (2 stages). Each split takes at least
-# MIN_KEY_BLOCKS_PER_SPLIT key steps (paged: MIN_KEY_BLOCKS_PER_SPLIT_PAGED), since a split's fixed cost, its
-# partial's write and the combine, is paid once per split. Measured on an H100 (benchmarks/decode_floor.py --batch B
-# --paged, per layer, 8k keys, GQA 32/8, d=128; benchmarks/results/2026-12-07-h100-decode-splits/): the rule picks
-# the fastest split count measured at batch 1, 2, 4, 8 and 12, contiguous and paged, where rounding up to fill every
-# SM (the rule before) left a second, partial wave: batch 4 contiguous 59.5 us in 5 splits against 50.3 in 4.
+# keeps its CTAs within one wave, as many CTAs per multiprocessor as the tile's shared memory lets run at once
+# (kv_ctas_per_multiprocessor: at d=128 on sm90 one for the contiguous tile, whose 3 stages of 128-key K and V take
+# 128 KB, three for the paged one's 2 stages). Each split takes at least MIN_KEY_BLOCKS_PER_SPLIT key steps (paged:
+# MIN_KEY_BLOCKS_PER_SPLIT_PAGED), since a split's fixed cost, its partial's write and the combine, is paid once per
+# split. Measured on an H100 (benchmarks/decode_floor.py --batch B --paged, per layer, 8k keys, GQA 32/8, d=128;
+# benchmarks/results/2026-12-07-h100-decode-splits/): the rule picks the fastest split count measured at batch 1, 2,
+# 4, 8 and 12, contiguous and paged, where rounding up to fill every SM (the rule before) left a second, partial
+# wave: batch 4 contiguous 59.5 us in 5 splits against 50.3 in 4. Other head dims and archs follow the same rule,
+# untimed.
 SPLIT_BELOW_FILL = 0.75
 MAX_SPLITS = 128
 MIN_KEY_BLOCKS_PER_SPLIT = 4
 MIN_KEY_BLOCKS_PER_SPLIT_PAGED = 2
-WAVE_CTAS_PAGED = 3
 
 
 # The KV-cache kernel's head dims: every multiple of 8 from 16 to 256. One between the table's head dims takes the tile
@@ -297,12 +298,19 @@ def kv_tile(table: dict, arch: str, head_dim: int, rows: int) -> tuple[KVTile | 
     return None, reasons
 
 
+@functools.lru_cache(maxsize=None)
+def kv_ctas_per_multiprocessor(tile: KVTile, arch: str, head_dim: int) -> int:
+    """How many CTAs of KV-cache ``tile`` a multiprocessor of ``arch`` runs at once, as its shared memory allows (at
+    least one)."""
+    return max(SMEM.get(arch, 0) // tile.smem_bytes(head_dim, arch), 1)
+
+
 def kv_splits(ctas: int, longest: int, block_n: int, multiprocessors: int, asked: int = 0,
-              paged: bool = False) -> tuple[int, int]:
+              paged: bool = False, ctas_per_multiprocessor: int = 1) -> tuple[int, int]:
     """(splits, keys per split) for ``ctas`` tiles over caches of at most ``longest`` keys: ``asked`` splits when
-    > 0 (flash-attn's num_splits; at most MAX_SPLITS), else the heuristic above (``paged``: its paged form). Keys per
-    split is a multiple of block_n and the splits cover ``longest`` (the last may be short; never more splits than
-    key steps)."""
+    > 0 (flash-attn's num_splits; at most MAX_SPLITS), else the heuristic above (``paged``: its paged form;
+    ``ctas_per_multiprocessor``: what kv_ctas_per_multiprocessor says of the tile). Keys per split is a multiple of
+    block_n and the splits cover ``longest`` (the last may be short; never more splits than key steps)."""
     steps = max(-(-longest // block_n), 1)
     fills = ctas >= SPLIT_BELOW_FILL * multiprocessors
     if asked > 0:
@@ -313,7 +321,7 @@ def kv_splits(ctas: int, longest: int, block_n: int, multiprocessors: int, asked
         target = PAGED_CTAS_PER_MULTIPROCESSOR * multiprocessors
         splits = min(-(-target // ctas), max(steps // MIN_KEY_BLOCKS_PER_SPLIT, 1), MAX_SPLITS)
     else:
-        wave = (WAVE_CTAS_PAGED if paged else 1) * multiprocessors
+        wave = ctas_per_multiprocessor * multiprocessors
         fewest_steps = MIN_KEY_BLOCKS_PER_SPLIT_PAGED if paged else MIN_KEY_BLOCKS_PER_SPLIT
         most = max(min(wave // max(ctas, 1), steps // fewest_steps, MAX_SPLITS), 1)
         splits = 1 << (most.bit_length() - 1)  # the largest power of two <= most

@@ -19,6 +19,19 @@ def test_splits_cover_the_keys_in_whole_steps(ctas, longest, block_n, asked, pag
         assert splits <= asked
 
 
+def sm90_occupancy(paged: bool) -> int:
+    """CTAs per SM of the sm90 d=128 decode tile (4 packed rows: GQA 32/8), contiguous or paged."""
+    table = variants.KVCACHE_PAGED if paged else variants.KVCACHE
+    tile, _ = variants.kv_tile(table, "sm90", 128, 4)
+    return variants.kv_ctas_per_multiprocessor(tile, "sm90", 128)
+
+
+def test_the_sm90_decode_tiles_run_one_cta_per_sm_contiguous_and_three_paged():
+    """What the split rule's one wave counts at d=128 on sm90: the contiguous tile's 3 stages of 128-key K and V
+    (128 KB of shared memory) leave room for one CTA per SM, the paged tile's 2 stages for three."""
+    assert (sm90_occupancy(False), sm90_occupancy(True)) == (1, 3)
+
+
 @pytest.mark.parametrize("ctas,longest,paged,expected", [
     (512, 8192, False, 1), (128, 32768, False, 1), (8, 8192, False, 16),  # batch 64 / 8k, 16 / 32k, 1 / 8k
     (512, 8192, True, 8), (128, 32768, True, 32), (8, 8192, True, 32)])
@@ -26,7 +39,8 @@ def test_the_h200_shapes_get_the_measured_split_counts(ctas, longest, paged, exp
     """benchmarks/results/2026-12-01-h200-kvcache: contiguous caches fastest unsplit when the CTAs about fill the
     132 SMs, batch 1 at 16 splits; paged caches at about 4096 CTAs, and batch 1 paged at 32 splits (25.6 us against
     28.5 at 16, the w4 s2 tile replayed from a graph)."""
-    assert variants.kv_splits(ctas, longest, 128, 132, paged=paged)[0] == expected
+    assert variants.kv_splits(ctas, longest, 128, 132, paged=paged,
+                              ctas_per_multiprocessor=sm90_occupancy(paged))[0] == expected
 
 
 @pytest.mark.parametrize("batch,paged,expected", [
@@ -34,9 +48,10 @@ def test_the_h200_shapes_get_the_measured_split_counts(ctas, longest, paged, exp
     (1, True, 32), (2, True, 16), (4, True, 8), (8, True, 4), (12, True, 4)])
 def test_small_batches_split_within_one_wave(batch, paged, expected):
     """benchmarks/results/2026-12-07-h100-decode-splits (8k keys, GQA 32/8, 8 CTAs per sequence, 132 SMs): the split
-    count measured fastest at each batch, contiguous and paged. The largest power of two whose CTAs fit one wave (one
-    CTA per SM contiguous, three paged), where filling every SM had rounded up into a second, partial wave."""
-    assert variants.kv_splits(8 * batch, 8192, 128, 132, paged=paged)[0] == expected
+    count measured fastest at each batch, contiguous and paged. The largest power of two whose CTAs fit one wave,
+    where filling every SM had rounded up into a second, partial wave."""
+    assert variants.kv_splits(8 * batch, 8192, 128, 132, paged=paged,
+                              ctas_per_multiprocessor=sm90_occupancy(paged))[0] == expected
 
 
 @pytest.mark.parametrize("module", [variants, rocm_variants], ids=["triton_fa2", "triton_rocm"])
