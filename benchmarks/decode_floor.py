@@ -72,7 +72,6 @@ def median_us(fn) -> float:
 
 
 def main(argv=None) -> int:
-    global BATCH
     import attnforge
 
     p = argparse.ArgumentParser(description=__doc__)
@@ -80,19 +79,19 @@ def main(argv=None) -> int:
     p.add_argument("--paged", action="store_true", help="also the caches in pages of 64")
     p.add_argument("--sweep", action="store_true", help="also the KV-cache kernel's tiles (with --paged: paged too)")
     p.add_argument("--tiles", help="--sweep's tiles: block_m,block_n,warps,stages;... (default SWEEP_TILES)")
-    p.add_argument("--splits", default="8,16,32", help="split counts timed beside the heuristic's (default 8,16,32;"
-                   " the paged and swept ones add 64)")
+    p.add_argument("--splits", help="split counts timed beside the heuristic's (default 8,16,32; paged and swept:"
+                   " 8,16,32,64)")
     p.add_argument("--batch", type=int, default=BATCH, help="sequences per call (default 1)")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    BATCH = args.batch
+    batch = args.batch
     tiles = (SWEEP_TILES if not args.tiles else
              tuple(tuple(int(x) for x in t.split(",")) for t in args.tiles.split(";")))
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(BATCH, 1, HEADS_Q, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
-    caches = [tuple(torch.randn(BATCH, SEQLEN, HEADS_KV, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
+    q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
+    caches = [tuple(torch.randn(batch, SEQLEN, HEADS_KV, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
                     for _ in range(2)) for _ in range(args.layers)]
-    seqlens = torch.full((BATCH,), SEQLEN, dtype=torch.int32, device="cuda")
+    seqlens = torch.full((batch,), SEQLEN, dtype=torch.int32, device="cuda")
     kv_bytes = 2 * caches[0][0].numel() * caches[0][0].element_size()
     copy_bps = copy_bandwidth()
     src = [torch.empty(kv_bytes // 2, dtype=torch.uint8, device="cuda") for _ in range(args.layers)]
@@ -107,8 +106,8 @@ def main(argv=None) -> int:
                                                       enable_gqa=True)
 
     makers = {"attnforge (heuristic splits)": ours, "sdpa": sdpa, "copy of the same bytes": None}
-    split_counts = tuple(int(x) for x in args.splits.split(","))
-    more_splits = split_counts + ((64,) if args.splits == "8,16,32" else ())
+    asked = tuple(int(x) for x in args.splits.split(",")) if args.splits else None
+    split_counts, more_splits = (asked, asked) if asked else ((8, 16, 32), (8, 16, 32, 64))
     for splits in split_counts:
         makers[f"attnforge {splits} splits"] = lambda kc, vc, s=splits: ours(kc, vc, s)
     pages = {}  # id of a layer's K cache -> (its K pages, V pages, block table)
@@ -116,7 +115,7 @@ def main(argv=None) -> int:
         for kc, vc in caches:
             kp, table = paged_copy(kc, gen)
             vp = torch.empty_like(kp)
-            vp[table.long()] = vc.reshape(BATCH, -1, *kp.shape[1:])
+            vp[table.long()] = vc.reshape(batch, -1, *kp.shape[1:])
             pages[id(kc)] = (kp, vp, table)
 
         def paged(kc, vc, splits=0):
@@ -147,7 +146,7 @@ def main(argv=None) -> int:
             if not err <= bound:
                 raise SystemExit(f"{name}: max error {err:.3g} against fp32 math (bound {bound:.3g})")
 
-    rows = {"batch": BATCH, "kv_bytes": kv_bytes, "copy_2gib_bytes_per_s": copy_bps, "layers": args.layers,
+    rows = {"batch": batch, "kv_bytes": kv_bytes, "copy_2gib_bytes_per_s": copy_bps, "layers": args.layers,
             "runners": {}}
     replays = {}  # name -> the replay of its graph of LAYERS calls
     for name, make in makers.items():

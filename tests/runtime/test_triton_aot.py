@@ -167,12 +167,15 @@ def test_a_build_for_group_one_keeps_the_launch_positions_and_takes_only_calls_t
     assert not prebuilt.accepts((_Tensor(4096), 32, 4, 64))  # a grouped-query call goes to the generic build
 
 
+class Param:
+    """A @triton.jit function's parameter, as runtime.triton_launch.at_one reads it."""
+
+    def __init__(self, name, is_constexpr=False):
+        self.name, self.is_constexpr = name, is_constexpr
+
+
 def test_a_launch_looks_up_the_group_one_build_only_for_calls_that_pass_one():
     from attnforge.runtime import triton_launch
-
-    class Param:
-        def __init__(self, name, is_constexpr=False):
-            self.name, self.is_constexpr = name, is_constexpr
 
     class Kernel:
         params = [Param("X"), Param("stride_a"), Param("GROUP"), Param("B", True)]
@@ -199,10 +202,6 @@ def test_a_call_the_group_one_build_does_not_take_runs_the_generic_build(monkeyp
 
         def __getitem__(self, grid):
             return lambda *args: ran.append(self.name)
-
-    class Param:
-        def __init__(self, name, is_constexpr=False):
-            self.name, self.is_constexpr = name, is_constexpr
 
     class Kernel:
         params = [Param("X"), Param("N_Q"), Param("GROUP"), Param("B", True)]
