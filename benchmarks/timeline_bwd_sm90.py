@@ -57,10 +57,14 @@ def patch(source: str) -> str:
     sub(entry, entry + "        trace_n, trace_h, trace_b = n_block, head_kv, batch\n        if tidx == 0:\n"
         + _record("sm", "cute.arch.smid()", " " * 12) + _record("entry_ns", "cute.arch.globaltimer_lo()", " " * 12)
         + _record("entry", clock, " " * 12))
-    # the consumers, the producer and the dQ warp get the trace tensor and the CTA's coordinates
-    sub("cap_scale, mAlibi)\n\n    def dq_staging", "cap_scale, mAlibi, mdQorder, trace_n, trace_h, trace_b)\n\n    def dq_staging")
-    sub("window, cap_scale, mAlibi):\n        \"\"\"The consumer warpgroups",
-        "window, cap_scale, mAlibi, mdQorder, trace_n, trace_h, trace_b):\n        \"\"\"The consumer warpgroups")
+    # the consumers, the producer and the dQ warp get the trace tensor and the CTA's coordinates (as keywords, after
+    # their last parameter, which PERSISTENT kernels pass)
+    traced = ", mdQorder=mdQorder, trace_n=trace_n, trace_h=trace_h, trace_b=trace_b)"
+    parameters = ", mdQorder=None, trace_n=None, trace_h=None, trace_b=None):"
+    sub("seqlen_q, seqlen_k, *scores)\n\n    def epilogue_staging", "seqlen_q, seqlen_k, *scores" + traced
+        + "\n\n    def epilogue_staging")
+    sub("window, cap_scale, mAlibi, carried=None):\n        \"\"\"The consumer warpgroups",
+        "window, cap_scale, mAlibi, carried=None" + parameters + "\n        \"\"\"The consumer warpgroups")
     first = "        sK, sV, sQ, sdO, sLSE, sDelta = smem\n        wg = "
     sub(first, "        if tidx == 0:\n" + _record("consumers", clock, " " * 12) + first)
     landed = "  # K (and V)\n"
@@ -70,21 +74,20 @@ def patch(source: str) -> str:
     sub(scale_dk, "        if tidx == 0:\n" + _record("loop_end", clock, " " * 12) + scale_dk)
     end = "        return self.states(state, state_do)\n\n    @cute.jit\n    def features("
     sub(end, "        if tidx == 0:\n" + _record("stored", clock, " " * 12) + end)
-    sub("m_first, m_end,\n                              seqlen_q, seqlen_k)\n",
-        "m_first, m_end,\n                              seqlen_q, seqlen_k, trace_n, trace_h, trace_b)\n")
-    sub("m_first, m_end, seqlen_q,\n                 seqlen_k):\n",
-        "m_first, m_end, seqlen_q,\n                 seqlen_k, trace_n, trace_h, trace_b):\n")
-    dq_wait = "        cute.arch.cp_async_bulk_wait_group(0, read=True)  # the staging buffers are read before the CTA exits\n"
-    sub(dq_wait, dq_wait + "        if cute.arch.lane_idx() == 0:\n" + _record("dq_end", clock, " " * 12))
-    sub("pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, offsets, group, m_first, m_end)\n",
-        "pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, offsets, group, m_first, m_end, mdQorder, trace_n, trace_h, "
-        "trace_b)\n")
-    sub("             pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, offsets, group, m_first, m_end):\n",
-        "             pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, offsets, group, m_first, m_end, mdQorder, trace_n,"
-        " trace_h, trace_b):\n")
-    load_end = "                    state_do.advance()\n        return self.states(state, state_do)\n\n    @cute.jit\n    def load_block("
-    sub(load_end, "                    state_do.advance()\n" + _record("producer_end", clock, " " * 8)
-        + "        return self.states(state, state_do)\n\n    @cute.jit\n    def load_block(")
+    sub("m_first, m_end,\n                                  seqlen_q, seqlen_k)\n",
+        "m_first, m_end,\n                                  seqlen_q, seqlen_k, trace_n=trace_n, trace_h=trace_h, "
+        "trace_b=trace_b)\n")
+    sub("m_first, m_end, seqlen_q,\n                 seqlen_k, last=True):\n",
+        "m_first, m_end, seqlen_q,\n                 seqlen_k, last=True, trace_n=None, trace_h=None, trace_b=None):\n")
+    dq_wait = "            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the staging buffers are read before the CTA exits\n"
+    sub(dq_wait, dq_wait + "            if cute.arch.lane_idx() == 0:\n" + _record("dq_end", clock, " " * 16))
+    sub("self.load(*loads, n_block, head_kv, batch, offsets, group, m_first, m_end)\n",
+        "self.load(*loads, n_block, head_kv, batch, offsets, group, m_first, m_end" + traced + "\n")
+    sub("             pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, offsets, group, m_first, m_end, carried=None):\n",
+        "             pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, offsets, group, m_first, m_end, carried=None"
+        + parameters + "\n")
+    load_end = "        return self.states(state, state_do)\n\n    @cute.jit\n    def load_block("
+    sub(load_end, _record("producer_end", clock, " " * 8) + load_end)
     return source
 
 

@@ -10,7 +10,6 @@ backward, and the Decision shows that choice.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -19,7 +18,7 @@ from ...dispatch import costs as cost_model
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend, Planned, registered
 from ...dispatch.support import Support
-from ..shared.cute_host import (SCORE_FEATURES, CuteVariant, feature_flags, lse_like, problem_features, stack_missing,
+from ..shared.cute_host import (SCORE_FEATURES, CuteVariant, max_ctas, feature_flags, lse_like, problem_features, stack_missing,
                                 tma_ready, trailing_arguments)
 from ..shared.inputs import TINY_SCALE, nonnegative_scale
 from . import compile as cc
@@ -66,12 +65,6 @@ class Sm90Variant(CuteVariant):
 
     def describe(self) -> str:
         return super().describe() + (" fixed max" if self.fixed_max else "")
-
-
-@functools.lru_cache(maxsize=None)
-def max_ctas(device: torch.device) -> int:
-    """The CTA count a persistent cute_sm90 kernel launches on ``device``: its SM count (one CTA fits per SM)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def run_kernel(kernel, tile: variants.Sm90FwdTile, q, k, v, out, lse, scale_log2: float, *, causal: bool,

@@ -14,7 +14,8 @@ from ...codegen import Source
 from ...dispatch.problem import dtype_name
 from ...runtime import cute
 from ...runtime.triton_launch import launch, next_power_of_2
-from ..shared.cute_host import LOG2_E, CuteVariant, elements, fake_packed, fake_scores, score_arguments, tma_ready
+from ..shared.cute_host import (LOG2_E, CuteVariant, elements, fake_packed, fake_scores, max_ctas, score_arguments,
+                                tma_ready)
 from ..shared.cute_varlen import key_tables, packed_rows
 from ..shared.inputs import nonnegative_scale
 from . import compile as cc
@@ -62,13 +63,14 @@ class Sm90BwdVariant(CuteVariant):
 
 
 def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False, varlen: bool = False,
-                   softcap: bool = False, alibi: bool = False, accumulator_head_dim: int | None = None):
+                   softcap: bool = False, alibi: bool = False, accumulator_head_dim: int | None = None,
+                   persistent: bool = False):
     """Fake arguments for cute.compile, in __call__'s order: q, k, v, dout (batch, heads, seqlen, head_dim) with
     symbolic sizes and 16-byte aligned strides, the LSE (log2) and delta (batch, heads, seqlen_q padded), the
     fp32 dQ accumulator (batch, heads, seqlen_q, head_dim; with ``accumulator_head_dim``, a FLAT_DQ kernel's: whole
     query blocks, padded like the LSE, at that head dim, FlatDqOrder), the int32 dQ order counts (batch, heads, query
-    blocks; read by the deterministic kernels only), dk, dv, scale_log2, scale, with ``window`` the Int32 window
-    bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, with ``alibi`` the fp32 slopes (batch, or
+    blocks; read by the deterministic kernels only, the first a persistent kernel's tile counter), dk, dv, scale_log2,
+    scale, with ``persistent`` the Int32 CTA count (the SM count), with ``window`` the Int32 window bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, with ``alibi`` the fp32 slopes (batch, or
     the sequences with ``varlen``; heads_q), with ``varlen`` the int32 offsets cu_seqlens_q and cu_seqlens_k (batch + 1,) and the key
     tile table (tiles, 2) (cute_varlen.key_tile_table), and the stream."""
     cutlass = cute.import_cutlass(arch)
@@ -98,8 +100,9 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False, v
                                 (cute_dsl.sym_int64(), cute_dsl.sym_int64(), 1), assumed_align=4)
     bounds = fake_scores(batch, heads_q, window=window, softcap=softcap, alibi=alibi, varlen=varlen)
     packed = fake_packed() if varlen else ()
+    ctas = (cutlass.Int32(1),) if persistent else ()
     return (q, k, v, dout, rows(), rows(), dq_accum, dq_order, dk, dv, cutlass.Float32(1.0), cutlass.Float32(1.0),
-            *bounds, *packed, make_fake_stream(use_tvm_ffi_env_stream=True))
+            *ctas, *bounds, *packed, make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def compile_arguments(module, dtype: str, causal: bool, arch: str):
@@ -111,7 +114,8 @@ def compile_arguments(module, dtype: str, causal: bool, arch: str):
                                                             softcap=getattr(module, "SOFTCAP", False),
                                                             alibi=getattr(module, "ALIBI", False),
                                                             accumulator_head_dim=module.HEAD_DIM if getattr(
-                                                                module, "FLAT_DQ", False) else None)
+                                                                module, "FLAT_DQ", False) else None,
+                                                            persistent=getattr(module, "PERSISTENT", False))
 
 
 def block_rows(seqlen_q: int, tile_m: int) -> int:
@@ -318,7 +322,8 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
     # zeroed by row_statistics
     dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if flat is None else flat.accumulator(q)
     lse2, delta = row_statistics(out, dout, lse, dlse, variant.tile.tile_m, dq_accum=dq_accum)
-    # deterministic: how many key blocks have added into each query block's dQ (else unread: one per head)
+    # deterministic: how many key blocks have added into each query block's dQ (else one per head, unread but the
+    # first, a persistent kernel's tile counter)
     blocks = lse2.shape[-1] // variant.tile.tile_m if variant.deterministic else 1
     dq_order = torch.zeros((*q.shape[:2], blocks), dtype=torch.int32, device=q.device)
     dk = torch.empty_like(k) if dk is None else dk
@@ -329,7 +334,8 @@ def run(variant: Sm90BwdVariant, q, k, v, out, lse, dout, scale: float, dlse=Non
         tiles = key_tables(bounds_q, bounds_k, variant.tile.tile_m, variant.tile.tile_n, variant.causal, q.device)
         bounds = (*bounds, packed.cu_seqlens_q, packed.cu_seqlens_k, tiles)
         lse2, delta = spread_rows(lse2, delta, *packed_rows(bounds_q, variant.tile.tile_m, q.device))
-    variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dq_order, dk, dv, scale_log2, scale, *bounds)
+    ctas = (max_ctas(q.device),) if variant.tile.persistent else ()
+    variant.kernel(q, k, v, dout, lse2, delta, dq_accum, dq_order, dk, dv, scale_log2, scale, *ctas, *bounds)
     if flat is not None:
         return dq_from_flat_accumulator(dq_accum, q, dq_scale, flat), dk, dv
     return dq_from_accumulator(dq_accum, q, dq_scale), dk, dv

@@ -151,6 +151,11 @@ class Sm90BwdTile:
     # across sections of this many (kv head, batch) pairs, each section's key block 0 of every pair first (LONGEST_FIRST
     # in the template); 0: the grid's own order, key blocks fastest
     longest_first: int = 0
+    # one CTA per SM looping over the key blocks, each taken from a tile counter as the SM frees (PERSISTENT in the
+    # template): the next key block's K, V and first Q and dO load while this one's dK and dV are converted and stored,
+    # which are staged in dS's buffer (and a K-sized buffer of their own where dS's holds fewer than two K tiles); needs
+    # tma_store_dkv and as many dO stages as Q stages, not split_head_dim, k_first or longest_first
+    persistent: bool = False
     # the table serves this tile only to calls without a causal mask or window (masked calls take the next entry):
     # FlashAttention-3 and -4 run head dim 128 on 80-row query blocks without a mask and 64-row ones with it
     # (FlashAttention-4's flash_attn/cute/interface.py, _tile_size_bwd_sm90). Not part of the kernel.
@@ -174,7 +179,8 @@ class Sm90BwdTile:
                                                     (self.unmasked_first, "_uf"), (self.split_loops, "_sl"),
                                                     (self.try_wait_first, "_tw"),
                                                     (self.k_first, "_kf"),
-                                                    (self.flat_dq, "_fq")) if on)
+                                                    (self.flat_dq, "_fq"),
+                                                    (self.persistent, "_ps")) if on)
         options += f"_lf{self.longest_first}" if self.longest_first else ""
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"o{self.dout_stages}")
         return f"bwd_16bit_d{head_dim}_m{self.tile_m}_n{self.tile_n}_{stages}{options}"
@@ -198,7 +204,16 @@ class Sm90BwdTile:
         stats = sum(-(-((stages - 1) * -(-self.tile_m // 32) * 32 + self.tile_m) * 4 // 128) * 128
                     for stages in (self.q_stages, self.dout_stages))
         head = 8 * (2 * (2 if self.k_first else 1) + 2 * self.q_stages + 2 * self.dout_stages) + stats
-        return -(-head // 1024) * 1024 + kv + q_do + ds + dq
+        if self.persistent:  # the tile handoff's two slots and their mbarriers
+            head += 8 * 2 * 2 + 4 * 2
+        return -(-head // 1024) * 1024 + kv + q_do + ds + dq + self.epilogue_extra_bytes(head_dim)
+
+    def epilogue_extra_bytes(self, head_dim: int) -> int:
+        """A persistent kernel's staging buffer for dV beside dS's (which stages dK, and dV too where it holds two K
+        tiles): one K tile, or 0."""
+        kv_tile = self.tile_n * head_dim * 2
+        ds = 2 * self.tile_m * self.tile_n * 2
+        return kv_tile if self.persistent and self.tma_store_dkv and ds < 2 * kv_tile else 0
 
     def registers_needed(self, head_dim: int) -> int:
         """Per consumer thread at the busiest point: dK and dV (64 x head_dim fp32 each), S^T and dP^T
@@ -227,7 +242,8 @@ class Sm90BwdTile:
                                                 (self.split_loops, ", masked and unmasked loops apart"),
                                                 (self.try_wait_first, ", try-wait first"),
                                                 (self.k_first, ", K before the first Q"),
-                                                (self.flat_dq, ", dQ staged flat")) if on)
+                                                (self.flat_dq, ", dQ staged flat"),
+                                                (self.persistent, ", persistent")) if on)
         if self.longest_first:
             options += f", causal key blocks longest first by {self.longest_first} kv heads"
         stages = f"s{self.q_stages}" + ("" if self.dout_stages == self.q_stages else f"/{self.dout_stages}")
@@ -287,6 +303,14 @@ def check(tile: Sm90BwdTile, head_dim: int) -> list[str]:
     if tile.tile_m == 64 and head_dim // tile.consumer_warpgroups not in (64, 128):
         reasons.append(f"tile_m 64 splits dQ's {head_dim} columns into {head_dim // tile.consumer_warpgroups}, "
                        "not a 128-byte swizzle width")
+    if tile.persistent:
+        needs = [(not tile.tma_store_dkv, "tma_store_dkv (dK and dV staged for TMA stores)"),
+                 (tile.dout_stages != tile.q_stages, "as many dO stages as Q stages"),
+                 (tile.split_head_dim, "no split_head_dim"), (tile.k_first, "no k_first"),
+                 (tile.longest_first, "no longest_first (its tiles come from a counter in the grid's order)"),
+                 (2 * tile.tile_m * tile.tile_n < tile.tile_n * head_dim,
+                  f"dS's buffer to hold a K tile ({tile.tile_m} x {tile.tile_n} x 2 < {tile.tile_n} x {head_dim})")]
+        reasons += [f"persistent needs {need}" for failed, need in needs if failed]
     if tile.smem_bytes(head_dim) > SMEM_BYTES:
         reasons.append(f"shared memory {tile.smem_bytes(head_dim)} B > {SMEM_BYTES} B")
     if tile.registers_needed(head_dim) > tile.consumer_registers:

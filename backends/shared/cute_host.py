@@ -22,6 +22,12 @@ FACTORY = f"{__name__}:compile_arguments"  # what runtime.cute calls to trace a 
 SCORE_FEATURES = ("window", "softcap", "sinks", "alibi")
 
 
+@functools.lru_cache(maxsize=None)
+def max_ctas(device: torch.device) -> int:
+    """The CTA count a persistent kernel (forward or backward, one CTA per SM) launches on ``device``: its SM count."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def feature_flags(kinds) -> dict[str, bool]:
     """The variant fields (window=..., softcap=..., ...) for a feature set of `attnforge build --features`."""
     return {f: f in kinds for f in SCORE_FEATURES}

@@ -727,3 +727,38 @@ def test_longest_first_decodes_a_one_dimensional_grid_in_causal_kernels_only(tmp
 def test_longest_first_counts_kv_heads():
     tile = dataclasses.replace(bwd_variants.table_tile(128, masked=True)[0], longest_first=-1)
     assert any("longest_first" in r for r in bwd_variants.check(tile, 128))
+
+
+# persistent, an option benchmarks/sweep_bwd_sm90.py --twin persistent times beside the table's tiles: the tiles that
+# take it claim their tiles by one atomic add and store dK and dV by their TMA stores (two each: a 128-byte swizzle box
+# holds 64 columns), spilling nothing beyond what the tile accepts (measured here: the windowed forms keep 8-16 bytes on
+# the stack, d=64's window form 40 without it; the packed form what it keeps without it); the deterministic and packed
+# kernels run one CTA per tile and claim none
+PERSISTENT = [(64, True, {}), (128, True, {}), (128, False, {}), (96, False, {}), (128, True, {"deterministic": True}),
+              (64, True, {"window": True}), (128, True, {"varlen": True})]  # (packed: dQ through the swizzled tile)
+
+
+@pytest.mark.parametrize("head_dim, causal, forms", PERSISTENT, ids=str)
+def test_persistent_claims_its_tiles_by_one_atomic_add(tmp_path, head_dim, causal, forms):
+    tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=True)[0], persistent=True,
+                               flat_dq=not forms.get("varlen"))
+    assert bwd_variants.check(tile, head_dim) == []
+    variant = Sm90BwdVariant(tile, head_dim, "bf16", causal, **forms)
+    spill = VARLEN_BWD_SPILL_BYTES[head_dim] if forms.get("varlen") else 16 if forms.get("window") else 0
+    sass = backward_sass(tmp_path, variant, spill)
+    one_per_tile = forms.get("deterministic") or forms.get("varlen")
+    assert len(re.findall(r"\bATOMG\.", sass)) == (0 if one_per_tile else 1)
+    stores = len(re.findall(r"\bUTMASTG\.", sass))
+    assert stores == (0 if forms.get("varlen") else 2 * bwd_variants.kernel_head_dim(head_dim) // 64), stores
+
+
+def test_persistent_needs_room_to_stage_dk_and_dv_and_a_tile_it_can_loop():
+    def reasons(head_dim, masked=True, **fields):
+        tile = dataclasses.replace(bwd_variants.table_tile(head_dim, masked=masked)[0], persistent=True, **fields)
+        return " ".join(bwd_variants.check(tile, head_dim))
+    assert "shared memory" in reasons(128, masked=False)  # the 80-row tile: dS's buffer and dV's beside it do not fit
+    assert "split_head_dim" in reasons(256)
+    assert "tma_store_dkv" in reasons(64, tma_store_dkv=False)
+    assert "k_first" in reasons(128, k_first=True) and "dO stages" in reasons(128, do_stages=1)
+    tile = dataclasses.replace(bwd_variants.table_tile(128, masked=True)[0], persistent=True)
+    assert tile.smem_bytes(128) - bwd_variants.table_tile(128, masked=True)[0].smem_bytes(128) == 128 * 128 * 2

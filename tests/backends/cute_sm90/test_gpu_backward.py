@@ -182,6 +182,25 @@ def test_longest_first_matches_fp64(shape, head_dim, dtype, gen):
     check_gradients(shape, dtype, head_dim, True, gen, tile=table_twin(head_dim, True, longest_first=3))
 
 
+# persistent (one CTA per SM running key blocks in turn, each claimed from a tile counter; dK and dV staged in dS's
+# buffer while the next tile's K and V load), a template option benchmarks/sweep_bwd_sm90.py --twin persistent times:
+# the masked-call tile of d=64, d=128 and a padded head dim (96) with it, causal and not, on SHAPES and on more tiles
+# than the GPU has SMs, launched on every SM and on 3 CTAs (each then runs tens of tiles: a tile run twice or never,
+# or a handoff out of step, leaves dQ, dK or dV wrong or NaN)
+PERSISTENT = [(d, causal) for d in (64, 128, 96) for causal in (False, True)]
+
+
+@pytest.mark.parametrize("ctas", (None, 3), ids=("every-sm", "3-ctas"))
+@pytest.mark.parametrize("head_dim, causal", PERSISTENT, ids=lambda x: str(x))
+@pytest.mark.parametrize("shape", [*SHAPES, (4, 8, 2, 1500, 2500)], ids=lambda s: "x".join(map(str, s)))
+def test_persistent_matches_fp64(shape, head_dim, causal, ctas, gen, monkeypatch):
+    from attnforge.backends.cute_sm90 import backward
+
+    if ctas is not None:
+        monkeypatch.setattr(backward, "max_ctas", lambda device: ctas)
+    check_gradients(shape, "bf16", head_dim, causal, gen, tile=table_twin(head_dim, True, persistent=True))
+
+
 # try_wait_first (the consumers' waits for Q and dO a try-wait, then the wait), a template option
 # benchmarks/sweep_bwd_sm90.py --twin try_wait_first times: the d=64 and d=128 table tiles with it
 @pytest.mark.parametrize("head_dim, causal", [(d, m) for d in (64, 128) for m in (False, True)], ids=lambda x: str(x))
