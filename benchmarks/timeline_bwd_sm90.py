@@ -16,12 +16,18 @@ CTAs it ran follow one another:
 Cycles are per SM (each SM's clock); the global nanosecond timer places the CTAs in the kernel. Diagnostic only:
 the clock reads and stores perturb the schedule a little.
 
-    python benchmarks/timeline_bwd_sm90.py --head-dim 128 --seqlen 1024 --causal [--json out.json]
+With --persistent the tile's persistent twin (Sm90BwdTile.persistent) runs, and each tile (key block) a CTA runs is
+traced as a CTA is above: its entry is the consumers taking it, the dQ warp's end its last reduce-add issued, and the
+gap runs from the SM's previous tile's last recorded point to the consumers taking this one (negative: the consumers
+took it before the dQ warp was done with the previous one).
+
+    python benchmarks/timeline_bwd_sm90.py --head-dim 128 --seqlen 1024 --causal [--persistent] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -54,9 +60,31 @@ def patch(source: str) -> str:
 
     clock = "cute.arch.clock()"
     entry = "        n_block, head_kv, batch = self.block_coordinates(mK)\n"
-    sub(entry, entry + "        trace_n, trace_h, trace_b = n_block, head_kv, batch\n        if tidx == 0:\n"
+    sub(entry, entry + "        trace_n, trace_h, trace_b = n_block, head_kv, batch\n"
+        "        if tidx == 0 and not self.persistent:\n"
         + _record("sm", "cute.arch.smid()", " " * 12) + _record("entry_ns", "cute.arch.globaltimer_lo()", " " * 12)
         + _record("entry", clock, " " * 12))
+    # a persistent kernel's roles trace each tile at its own coordinates, its entry where the consumers take it; its
+    # tile counter moves to the first tile's last slot, which no event uses
+    sub("storage.sTile.get_tensor(cute.make_layout(TILE_SLOTS)), mdQorder.iterator)",
+        f"storage.sTile.get_tensor(cute.make_layout(TILE_SLOTS)), mdQorder.iterator + {SLOTS - 1})")
+    sub("m_remasked, m_end, seqlen_q, seqlen_k, *scores, carried=(kv_state, state))",
+        "m_remasked, m_end, seqlen_q, seqlen_k, *scores, carried=(kv_state, state),\n"
+        "                                           mdQorder=mdQorder, trace_n=n_block, trace_h=head_kv, trace_b=batch)")
+    sub("self.consume_tiles(consumer, scores, tiles, mK, offsets, group, seqlen_q, seqlen_k)",
+        "self.consume_tiles(consumer, scores, tiles, mK, offsets, group, seqlen_q, seqlen_k, mdQorder)")
+    sub("def consume_tiles(self, consumer, scores, tiles, mK, offsets, group, seqlen_q, seqlen_k):",
+        "def consume_tiles(self, consumer, scores, tiles, mK, offsets, group, seqlen_q, seqlen_k, mdQorder):")
+    sub("self.load_tiles(loads, tiles, mK, offsets, group, seqlen_q, seqlen_k, window)",
+        "self.load_tiles(loads, tiles, mK, offsets, group, seqlen_q, seqlen_k, window, mdQorder)")
+    sub("def load_tiles(self, loads, tiles, mK, offsets, group, seqlen_q, seqlen_k, window):",
+        "def load_tiles(self, loads, tiles, mK, offsets, group, seqlen_q, seqlen_k, window, mdQorder):")
+    sub("                                        carried=(kv_state, state))",
+        "                                        carried=(kv_state, state), mdQorder=mdQorder, trace_n=n_block,\n"
+        "                                        trace_h=head_kv, trace_b=batch)")
+    dq_tile = ("                          seqlen_q, seqlen_k, last=False)\n")
+    sub(dq_tile, "                          seqlen_q, seqlen_k, last=False)\n            trace_n, trace_h, trace_b = n_block, "
+        "head_kv, batch\n            if cute.arch.lane_idx() == 0:\n" + _record("dq_end", clock, " " * 16))
     # the consumers, the producer and the dQ warp get the trace tensor and the CTA's coordinates (as keywords, after
     # their last parameter, which PERSISTENT kernels pass)
     traced = ", mdQorder=mdQorder, trace_n=trace_n, trace_h=trace_h, trace_b=trace_b)"
@@ -66,13 +94,16 @@ def patch(source: str) -> str:
     sub("window, cap_scale, mAlibi, carried=None):\n        \"\"\"The consumer warpgroups",
         "window, cap_scale, mAlibi, carried=None" + parameters + "\n        \"\"\"The consumer warpgroups")
     first = "        sK, sV, sQ, sdO, sLSE, sDelta = smem\n        wg = "
-    sub(first, "        if tidx == 0:\n" + _record("consumers", clock, " " * 12) + first)
+    sub(first, "        if tidx == 0:\n" + _record("consumers", clock, " " * 12)
+        + "            if const_expr(carried is not None):\n" + _record("sm", "cute.arch.smid()", " " * 16)
+        + _record("entry_ns", "cute.arch.globaltimer_lo()", " " * 16) + _record("entry", clock, " " * 16) + first)
     landed = "  # K (and V)\n"
     sub(landed, landed + "        if tidx == 0:\n" + _record("kv_landed", clock, " " * 12)
         + _record("steps", "m_end - m_first", " " * 12))
     scale_dk = "        for r in cutlass.range_constexpr(cute.size(acc_dK)):\n            acc_dK[r] = acc_dK[r] * scale\n"
     sub(scale_dk, "        if tidx == 0:\n" + _record("loop_end", clock, " " * 12) + scale_dk)
-    end = "        return self.states(state, state_do)\n\n    @cute.jit\n    def features("
+    end = ("        if const_expr(carried is not None):\n            return kv_state, state\n"
+           "        return self.states(state, state_do)\n\n    @cute.jit\n    def features(")
     sub(end, "        if tidx == 0:\n" + _record("stored", clock, " " * 12) + end)
     sub("m_first, m_end,\n                                  seqlen_q, seqlen_k)\n",
         "m_first, m_end,\n                                  seqlen_q, seqlen_k, trace_n=trace_n, trace_h=trace_h, "
@@ -86,7 +117,8 @@ def patch(source: str) -> str:
     sub("             pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, offsets, group, m_first, m_end, carried=None):\n",
         "             pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, offsets, group, m_first, m_end, carried=None"
         + parameters + "\n")
-    load_end = "        return self.states(state, state_do)\n\n    @cute.jit\n    def load_block("
+    load_end = ("        if const_expr(carried is not None):\n            kv_state.advance()\n            return kv_state, state\n"
+                "        return self.states(state, state_do)\n\n    @cute.jit\n    def load_block(")
     sub(load_end, _record("producer_end", clock, " " * 8) + load_end)
     return source
 
@@ -111,7 +143,7 @@ def summarize(trace: torch.Tensor, n_blocks: int) -> dict:
     gaps = []
     for runs in by_sm.values():
         runs.sort(key=lambda c: (c["entry_ns"] - first_ns) % (1 << 32))
-        gaps += [(b["entry"] - a["end"]) % (1 << 32) for a, b in zip(runs, runs[1:])]
+        gaps += [(b["entry"] - a["end"] + (1 << 31)) % (1 << 32) - (1 << 31) for a, b in zip(runs, runs[1:])]
     med = lambda key: statistics.median(c[key] for c in ctas)  # noqa: E731
     by_steps: dict[int, list] = {}
     for c in ctas:
@@ -130,11 +162,15 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--persistent", action="store_true", help="the tile's persistent twin (Sm90BwdTile.persistent)")
     p.add_argument("--json")
     args = p.parse_args()
     d, n = args.head_dim, args.seqlen
-    tile, reasons = bwd_variants.pick(d, masked=args.causal)
+    tile, reasons = bwd_variants.pick(d, masked=args.causal or args.persistent)  # (80 rows do not fit persistent)
     assert tile is not None, reasons
+    if args.persistent:
+        tile = dataclasses.replace(tile, persistent=True)
+        assert bwd_variants.check(tile, d) == [], bwd_variants.check(tile, d)
     variant = backward.Sm90BwdVariant(tile, d, "bf16", args.causal)
     folder = pathlib.Path(tempfile.mkdtemp(prefix="cute_sm90_bwd_timeline_"))
     path = folder / f"{variant.source.name}_trace.py"
@@ -157,7 +193,9 @@ def main() -> None:
     trace = torch.zeros((b, h, n_blocks * SLOTS), dtype=torch.int32, device="cuda")
     dk, dv = torch.empty_like(k_), torch.empty_like(v_)
     for _ in range(3):  # the last run's trace is read
-        kernel(q_, k_, v_, do_, lse2, delta, dq_accum, trace, dk, dv, scale * backward.LOG2_E, scale)
+        trace.zero_()  # (a persistent kernel's tile counter lives in it)
+        ctas = (backward.max_ctas(q.device),) if tile.persistent else ()
+        kernel(q_, k_, v_, do_, lse2, delta, dq_accum, trace, dk, dv, scale * backward.LOG2_E, scale, *ctas)
     torch.cuda.synchronize()
     report = {"variant": variant.describe(), "head_dim": d, "seqlen": n, "batch": b, "heads": h,
               "causal": args.causal, "device": torch.cuda.get_device_name(), **summarize(trace.cpu(), n_blocks)}
