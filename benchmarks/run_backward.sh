@@ -14,6 +14,8 @@
 #          --twin), N=1k/4k/16k,
 #          5 rounds, with the peers.
 #   profile where a step's GPU time goes at d=128, N=1k and 16k (benchmarks/profile_step.py), beside cuDNN and FA4.
+#   timeline where each CTA's (or persistent tile's) cycles go at TIMELINE_DIM (default 128), N=1k causal: the table's
+#          kernel and its persistent twin (benchmarks/timeline_bwd_sm90.py).
 #   bash benchmarks/run_backward.sh OUTDIR;  STEPS="tests sweep" TESTS_K=256 bash benchmarks/run_backward.sh OUTDIR
 #   STEPS="twin profile" TWIN="stats_ahead ds_key_major tma_store_dkv stats_ahead+ds_key_major+tma_store_dkv \
 #   tile_m=80+dq_transposed tile_m=80+dq_transposed+ds_key_major+tma_store_dkv" \
@@ -47,6 +49,11 @@ for step in ${STEPS:-tests bench}; do
     twin) timeout "${TWIN_S:-420}" python3 benchmarks/sweep_bwd_sm90.py --head-dim "${AB_DIMS:-128}" \
              --seqlen "${SWEEP_SEQLEN:-16384,4096,1024}" --rounds 5 --no-deterministic $(printf -- '--twin %s ' ${TWIN:?TWIN=field[+field] ...}) \
              --json "$out/twin.json" 2>&1 | grep -v Warning | tee "$out/twin.txt" | tail -n 30 ;;
+    timeline) for p in "" --persistent; do
+             timeout "${TIMELINE_S:-120}" python3 benchmarks/timeline_bwd_sm90.py --head-dim "${TIMELINE_DIM:-128}" \
+               --seqlen 1024 --causal $p --json "$out/timeline${p:+-persistent}.json" 2>&1 | grep -v Warning \
+               | tail -n 24 | tee -a "$out/log.txt"
+           done ;;
     profile) timeout "${PROFILE_S:-180}" python3 benchmarks/profile_step.py --head-dim 128 --seqlen 1024,16384 \
              --json "$out/profile.json" 2>&1 | grep -v Warning | tee "$out/profile.txt" | tail -n 40 ;;
   esac
