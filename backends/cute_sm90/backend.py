@@ -18,8 +18,8 @@ from ...dispatch import costs as cost_model
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Backend, Planned, registered
 from ...dispatch.support import Support
-from ..shared.cute_host import (SCORE_FEATURES, CuteVariant, max_ctas, feature_flags, lse_like, problem_features, stack_missing,
-                                tma_ready, trailing_arguments)
+from ..shared.cute_host import (SCORE_FEATURES, CuteVariant, feature_flags, lse_like, max_ctas, problem_features,
+                                stack_missing, tma_ready, trailing_arguments)
 from ..shared.inputs import TINY_SCALE, nonnegative_scale
 from . import compile as cc
 from . import backward as bwd

@@ -70,8 +70,9 @@ def fake_arguments(dtype: str, head_dim: int, arch: str, window: bool = False, v
     fp32 dQ accumulator (batch, heads, seqlen_q, head_dim; with ``accumulator_head_dim``, a FLAT_DQ kernel's: whole
     query blocks, padded like the LSE, at that head dim, FlatDqOrder), the int32 dQ order counts (batch, heads, query
     blocks; read by the deterministic kernels only, the first a persistent kernel's tile counter), dk, dv, scale_log2,
-    scale, with ``persistent`` the Int32 CTA count (the SM count), with ``window`` the Int32 window bounds (left, right), with ``softcap`` the Float32 pre-tanh scale, with ``alibi`` the fp32 slopes (batch, or
-    the sequences with ``varlen``; heads_q), with ``varlen`` the int32 offsets cu_seqlens_q and cu_seqlens_k (batch + 1,) and the key
+    scale, with ``persistent`` the Int32 CTA count (the SM count), with ``window`` the Int32 window bounds (left,
+    right), with ``softcap`` the Float32 pre-tanh scale, with ``alibi`` the fp32 slopes (batch, or the sequences with
+    ``varlen``; heads_q), with ``varlen`` the int32 offsets cu_seqlens_q and cu_seqlens_k (batch + 1,) and the key
     tile table (tiles, 2) (cute_varlen.key_tile_table), and the stream."""
     cutlass = cute.import_cutlass(arch)
     import cutlass.cute as cute_dsl
