@@ -233,22 +233,22 @@ def test_forced_feature_backward_with_split_loops_matches_fp64(case, head_dim, g
 
 
 # persistent (bwd_variants.Sm90BwdTile.persistent), a template option benchmarks/sweep_bwd_sm90.py --twin persistent
-# times: the tiles that take it (d=64, d=128's masked-call tile, which the unmasked calls then take too, and 80 on it)
-# in every feature form; the two-sided window with Nq < Nk leaves most key blocks no query block (tiles that only
-# store zeros)
+# times: the tiles that take it (d=64, with its split_loops, d=128's masked-call tile, which the unmasked calls then
+# take too, and 80 on it) in every feature form; the two-sided window with Nq < Nk leaves most key blocks no query block
+# (tiles that only store zeros)
 @pytest.mark.parametrize("head_dim", FLAT_FEATURE_HEAD_DIMS)
 @pytest.mark.parametrize("case", FLAT_FEATURE_BACKWARD, ids=str)
 def test_forced_feature_backward_persistent_matches_fp64(case, head_dim, gen, poisoned_empty, flat_features_served,
                                                          twin_table):
     twin_table(persistent=True)
-    check_forced_backward(case, head_dim, gen, persistent=True)
+    check_forced_backward(case, head_dim, gen, split_loops=None, persistent=True)
 
 
 def check_forced_backward(case, head_dim, gen, flat_dq=None, split_loops=False, persistent=False):
     """cute_sm90's forward and backward forced on a CASES-style case (bf16): gradients against fp64 math (dsinks from
     the call's own output and LSE), gradients NaN-poisoned where the host allocates them (poisoned_empty); ``flat_dq``
-    (not None): whether the backward's tile must stage dQ flat; ``split_loops``, ``persistent``: whether it must run
-    that option."""
+    (not None): whether the backward's tile must stage dQ flat; ``split_loops`` (not None), ``persistent``: whether it
+    must run that option."""
     b, hq, hkv, nq, nk, causal, window, cap, with_sinks = case[:9]
     slopes = slopes_for(case, gen)
     q, k, v = (torch.randn(b, h, n, head_dim, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
@@ -261,7 +261,8 @@ def check_forced_backward(case, head_dim, gen, flat_dq=None, split_loops=False, 
     assert decision.backward.backend == "cute_sm90", decision
     assert (variant.window, variant.softcap, variant.alibi) == (window != (-1, -1), bool(cap), slopes is not None)
     assert flat_dq is None or variant.tile.flat_dq == flat_dq, variant
-    assert variant.tile.split_loops == split_loops and variant.tile.persistent == persistent, variant
+    assert split_loops is None or variant.tile.split_loops == split_loops, variant
+    assert variant.tile.persistent == persistent, variant
     dout = torch.randn(out.shape, generator=gen).to("cuda", torch.bfloat16)
     grads = torch.autograd.grad(out, (q, k, v) if sinks is None else (q, k, v, sinks), dout)
     assert not any(g.isnan().any() for g in grads), "an unwritten gradient element (or a wrong one)"
