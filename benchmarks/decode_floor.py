@@ -19,6 +19,9 @@ each timed per layer the same way (through the backend's forward, as bench_kvcac
 
     python benchmarks/decode_floor.py [--layers 16] [--batch 1] [--paged] [--splits 8,16,32] [--sweep [--tiles 16,128,4,2;...]]
         [--json out.json]
+
+A fifth field of a --tiles entry, 1, turns the tile's `lookahead` on (block-table entries read a key step ahead):
+``--paged --sweep --tiles "16,128,4,2;16,128,4,2,1"`` times a paged tile beside its lookahead twin.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def graph_of(fns):
     return graphed(lambda: [fn() for fn in fns])
 
 
-# (block_m, block_n, warps, stages) of the KV-cache kernel, swept with --sweep
+# (block_m, block_n, warps, stages[, lookahead]) of the KV-cache kernel, swept with --sweep
 SWEEP_TILES = ((16, 128, 4, 2), (16, 128, 4, 3), (16, 128, 8, 3), (16, 64, 4, 3), (16, 64, 8, 4))
 
 
@@ -57,7 +60,8 @@ def forced(q, kc, vc, seqlens, tile, splits, paged=None):
     table = None
     if paged is not None:
         kc, vc, table = paged
-    variant = TritonVariant("kvcache", KVTile(*tile), "triton_kvcache.py.jinja", "sm90", HEAD_DIM, "bf16", False,
+    kv_tile = KVTile(*tile[:4], lookahead=len(tile) > 4 and bool(tile[4]))
+    variant = TritonVariant("kvcache", kv_tile, "triton_kvcache.py.jinja", "sm90", HEAD_DIM, "bf16", False,
                             paged=table is not None)
     call = Call(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), HEAD_DIM ** -0.5, Mask(),
                 cache=KVCache(seqlens, None, table, SEQLEN, splits, None))
@@ -78,7 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--paged", action="store_true", help="also the caches in pages of 64")
     p.add_argument("--sweep", action="store_true", help="also the KV-cache kernel's tiles (with --paged: paged too)")
-    p.add_argument("--tiles", help="--sweep's tiles: block_m,block_n,warps,stages;... (default SWEEP_TILES)")
+    p.add_argument("--tiles", help="--sweep's tiles: block_m,block_n,warps,stages[,lookahead];... (default SWEEP_TILES)")
     p.add_argument("--splits", help="split counts timed beside the heuristic's (default 8,16,32; paged and swept:"
                    " 8,16,32,64)")
     p.add_argument("--batch", type=int, default=BATCH, help="sequences per call (default 1)")

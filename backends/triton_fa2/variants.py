@@ -124,17 +124,25 @@ class KVTile:
     block_n: int
     num_warps: int
     num_stages: int
+    # PAGE_LOOKAHEAD in the template: a paged cache's block-table entries are read one key step ahead of the K and V
+    # loads that use them, so the software pipeline issues those loads without waiting for a block-table read (a
+    # template option: no table tile takes it until it is timed; benchmarks/decode_floor.py --tiles m,n,w,s,1)
+    lookahead: bool = False
 
     @property
     def module(self) -> str:
-        return f"kvcache_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+        return (f"kvcache_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+                + ("_la" if self.lookahead else ""))
 
     def params(self) -> dict:
         return dataclasses.asdict(self)
 
     def smem_bytes(self, head_dim: int, arch: str = "sm80") -> int:
-        # K and V tiles per pipelined stage (q stays in registers)
-        return ELEMENT_BYTES * max(self.num_stages - 1, 1) * 2 * self.block_n * padded(head_dim) + LAYOUT_SCRATCH
+        # K and V tiles per pipelined stage (q stays in registers), and with lookahead the block-table entries the
+        # pipeline stages beside them (int32, one per key row)
+        stages = max(self.num_stages - 1, 1)
+        entries = stages * self.block_n * 4 if self.lookahead else 0
+        return ELEMENT_BYTES * stages * 2 * self.block_n * padded(head_dim) + entries + LAYOUT_SCRATCH
 
     def registers(self, head_dim: int, lanes: int = 32) -> int:
         d = padded(head_dim)  # fp32 accumulator + 16-bit q + fp32 scores + the K and V tiles being loaded
@@ -142,7 +150,8 @@ class KVTile:
                 + self.block_n * d) // (lanes * self.num_warps)
 
     def describe(self) -> str:
-        return f"kvcache {self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
+        return (f"kvcache {self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
+                + (" lookahead" if self.lookahead else ""))
 
 
 def check(tile: FwdTile | BwdTile | KVTile, arch: str, head_dim: int) -> list[str]:

@@ -205,6 +205,21 @@ def test_kvcache_kernels_compile_for_their_targets(backend, arch, cache):
 
 
 @pytest.mark.parametrize("backend,arch", [("triton_fa2", "sm90"), ("triton_fa2", "sm80"), ("triton_rocm", "gfx942")])
+def test_paged_kvcache_kernels_with_lookahead_compile(backend, arch, cache):
+    """KVTile.lookahead (block-table entries read a key step ahead), a template option no table tile takes yet: the
+    paged kernels of each target's d=128 decode tile compile with it, within the shared memory the tile's estimate
+    names."""
+    b = registered()[backend]
+    variant = next(v for v in b.variants([arch], dtypes=("bf16",), head_dims=(128,), causal=(True,),
+                                         features=(frozenset({"kvcache"}),)) if v.family == "kvcache" and v.paged)
+    variant = dataclasses.replace(variant, tile=dataclasses.replace(variant.tile, lookahead=True))
+    assert variant.tile.module.endswith("_la") and not variants.check(variant.tile, arch, 128)
+    for build in [x for x in b.builds(variant) if x.kernel == "kvcache_kernel"]:
+        meta, _ = triton_aot.build_cached(build, cache)
+        assert meta["shared_bytes"] <= variant.tile.smem_bytes(128, arch) <= variants.SMEM[arch], build.name()
+
+
+@pytest.mark.parametrize("backend,arch", [("triton_fa2", "sm90"), ("triton_fa2", "sm80"), ("triton_rocm", "gfx942")])
 def test_kvcache_kernels_of_a_head_dim_between_the_tables_compile(backend, arch, cache):
     """Head dim 80 (variants.KV_HEAD_DIMS): only the KV-cache kernels are built for it (the attention kernels keep
     their head dims), padded to the 128 kernel's tile width with 80 real columns, and they compile for each target."""

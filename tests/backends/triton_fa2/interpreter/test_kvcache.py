@@ -6,6 +6,7 @@ causal, a sliding window, softcap, sinks and left padding. Every cache position 
 outputs are allocated NaN-filled (poisoned_empty), so a read or write out of place shows. Runs with
 TRITON_INTERPRET=1 in its own process (test_interpreter_suite.py)."""
 
+import dataclasses
 import math
 import os
 
@@ -160,6 +161,44 @@ def test_every_kvcache_tile_fp32(tile, paged, gen):
         ulps = 4 * math.sqrt(max(n, d))
         assert_close("out", out[b].transpose(0, 1).unsqueeze(0), ref, ref.float(), ulps=ulps)
         assert_close("lse", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ulps)
+
+
+# KVTile.lookahead (PAGE_LOOKAHEAD in the template), a template option no table tile takes yet: each KV-cache tile's
+# twin with it
+LOOKAHEAD_TILES = [(backend, family, dataclasses.replace(tile, lookahead=True)) for backend, family, tile in KV_TILES]
+
+
+@pytest.mark.parametrize("tile", LOOKAHEAD_TILES, ids=tile_id)
+@pytest.mark.parametrize("window, pads", [(None, None), ((300, 0), [0, 1, 21])], ids=["causal", "window-leftpad"])
+def test_lookahead_tiles_match_their_tiles_bit_for_bit(tile, window, pads, gen):
+    """Reading a key step's block-table entries a step ahead changes when the kernel reads the block table, not what
+    it computes: on fp32 pages of 16 in a shuffled pool, the lookahead twin's outputs and LSEs equal its tile's bit
+    for bit (that tile is checked against fp64 math above), with the block table's entries past each sequence's pages
+    naming no page (-1, or past the pool: the twin reads them, and they must not reach a row). Causal decode and
+    chunked-prefill rows over 2 splits of several key steps each, lengths 0 to 600; then a sliding window with left
+    padding, where the first key step is where the loads say."""
+    lengths, hq, hkv, nq, d, capacity, pool = [0, 1, 600], 6, 2, 3, 48, 640, 123
+    k_cache, v_cache = (torch.randn(3, capacity, hkv, d, generator=gen) for _ in range(2))
+    q = torch.randn(3, nq, hq, d, generator=gen)
+    table = random_table(gen, 3, capacity // 16, pool)
+    kc, vc = (as_pages(c, table, 16, pool).transpose(1, 2) for c in (k_cache, v_cache))
+    for b, n in enumerate(lengths):  # pages no position of the sequence is in
+        used = -(-n // 16)
+        table[b, used:] = torch.tensor([-1, pool]).repeat(capacity // 16)[:capacity // 16 - used]
+    block_n = tile[2].block_n
+    per_split = -(-capacity // (2 * block_n)) * block_n
+    results = []
+    for entry in ((tile[0], tile[1], dataclasses.replace(tile[2], lookahead=False)), tile):
+        out = torch.full((3, nq, hq, d), float("nan"))
+        lse = torch.full((3, hq, nq), float("nan"))
+        extra = {} if window is None else dict(window=window, leftpad=torch.tensor(pads, dtype=torch.int32))
+        module(entry).launch(q.transpose(1, 2), kc, vc, out.transpose(1, 2), lse, torch.tensor(lengths, dtype=torch.int32),
+                             causal=True, scale=0.3, num_splits=-(-capacity // per_split), keys_per_split=per_split,
+                             block_table=table, **extra)
+        results.append((out, lse))
+    (out, lse), (twin_out, twin_lse) = results
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(twin_out, out) and torch.equal(twin_lse, lse)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
