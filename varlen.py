@@ -42,7 +42,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     floats, a row per sequence (FlashAttention's). Returns the output (total_q, heads_q, head_dim_v) and with
     ``return_lse`` the natural-log LSE (heads_q, total_q) in fp32, -inf for rows that see no key. Differentiable
     (the LSE and sinks too). Reads the offsets on the host (one device sync; none when these offsets tensors were
-    read before and have not changed since, as when a model's layers share them). Under torch.compile it is one opaque
+    read before and have not changed since, as when a model's layers share them; offsets made under
+    torch.inference_mode() are read on every call). Under torch.compile it is one opaque
     custom op (op.attention_varlen_op), which reads and checks them when the graph runs.
     """
     from .api import _Attention, _causal_mask, autocast_inputs
@@ -133,7 +134,9 @@ def _traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mas
 # The last few offsets read to the host, by tensor: (weak references to cu_q and cu_k, their data pointers and
 # version counters, the host tuples). A model's layers pass the same offsets tensors, so only the first layer's call
 # waits for the device; an in-place change through torch bumps the version and is read again. (A write torch does
-# not see, through a raw pointer, is not noticed: such offsets must be new tensors.)
+# not see, through a raw pointer, is not noticed: such offsets must be new tensors.) Tensors made under
+# torch.inference_mode() have no version counter, so an in-place change to them cannot be seen: they are read on
+# every call.
 _READS: collections.OrderedDict = collections.OrderedDict()
 _READS_KEPT = 8
 _READS_LOCK = threading.Lock()
@@ -141,6 +144,8 @@ _READS_LOCK = threading.Lock()
 
 def _host_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Both offsets as host ints: one device-to-host copy, or none where these very tensors, unchanged, were read."""
+    if cu_q.is_inference() or cu_k.is_inference():  # (no version counter to tell a change by)
+        return _read_offsets(cu_q, cu_k)
     key = (id(cu_q), id(cu_k))
     stamp = (cu_q.data_ptr(), cu_q._version, cu_k.data_ptr(), cu_k._version)
     with _READS_LOCK:
@@ -148,13 +153,18 @@ def _host_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[tuple[int, ..
         if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k and hit[2] == stamp:
             _READS.move_to_end(key)
             return hit[3]
-    both = torch.cat((cu_q, cu_k)).tolist()
-    out = tuple(both[:cu_q.numel()]), tuple(both[cu_q.numel():])
+    out = _read_offsets(cu_q, cu_k)
     with _READS_LOCK:
         _READS[key] = (weakref.ref(cu_q), weakref.ref(cu_k), stamp, out)
         while len(_READS) > _READS_KEPT:
             _READS.popitem(last=False)
     return out
+
+
+def _read_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Both offsets as host ints, in one device-to-host copy."""
+    both = torch.cat((cu_q, cu_k)).tolist()
+    return tuple(both[:cu_q.numel()]), tuple(both[cu_q.numel():])
 
 
 def _offsets(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, device) -> tuple[tuple, tuple]:

@@ -338,3 +338,20 @@ def test_offsets_are_read_once_per_tensor_and_again_after_a_change(gen):
     assert not torch.equal(first, second)
     copy = cu_q.clone()  # equal offsets in another tensor: read for that tensor
     assert varlen._host_offsets(copy, cu_k) == again and varlen._host_offsets(copy, cu_k) is not again
+
+
+def test_inference_mode_offsets_are_read_on_every_call(gen):
+    """Offsets made under torch.inference_mode() (a serving loop's) have no version counter: the packed call runs on
+    them, and an in-place change to them is seen by the next call."""
+    q, k, v, cu_q, cu_k = packed(gen, LENGTHS_Q, LENGTHS_K)
+    with torch.inference_mode():
+        cu_q, cu_k = cu_q.clone(), cu_k.clone()
+        first = attnforge.attention_varlen(q, k, v, cu_q, cu_k, 113, 40, causal=True)
+        cu_q[4] -= 1  # a query row moves from sequence 3 to sequence 4
+        second = attnforge.attention_varlen(q, k, v, cu_q, cu_k, 114, 40, causal=True)
+        bq, bk = cu_q.tolist(), cu_k.tolist()
+        for b in range(len(LENGTHS_Q)):
+            rows, keys = slice(bq[b], bq[b + 1]), slice(bk[b], bk[b + 1])
+            one = attnforge.attention(q[rows][None], k[keys][None], v[keys][None], layout="bshd", causal=True)[0]
+            torch.testing.assert_close(second[rows], one)
+    assert cu_q.is_inference() and not torch.equal(first, second)
