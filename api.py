@@ -15,7 +15,7 @@ from .dispatch.decision import Decision
 from .dispatch.mask import CAUSAL, NONE, Mask
 from .dispatch.problem import (Problem, alibi_slopes_of, check_attn_mask, check_causal, check_deterministic,
                                check_dropout, check_scale, check_sinks, check_softcap, dtype_name, problem_from_tensors,
-                               softcap_fields, validate_tensors)
+                               softcap_fields, torch_deterministic, validate_tensors)
 from .dispatch.select import decide, decide_call, forced_backend
 from .errors import BackendUnavailableError, InvalidInputError
 
@@ -132,7 +132,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ALiBi): -slope * |i + seqlen_k - seqlen_q - j| is added to the (capped) scores; not differentiated.
     ``deterministic=True`` (FlashAttention's flag): the backward is bitwise reproducible from run to run; only
     backends whose backward sums in a fixed order serve it (the Decision says which do). The default takes the
-    fastest backward, which may accumulate dQ with atomics.
+    fastest backward, which may accumulate dQ with atomics. ``torch.use_deterministic_algorithms(True)`` binds a call
+    that needs a backward as ``deterministic=True`` does (torch's own SDPA kernels, which follow it, stay eligible).
     """
     if deterministic is not False:  # (hot path: the default is one identity test)
         deterministic = check_deterministic(deterministic)
@@ -406,6 +407,7 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
                                        needs_grad=needs_grad or q.requires_grad or k.requires_grad or v.requires_grad,
                                        softcap=check_softcap(softcap), sinks=bool(sinks), alibi=bool(alibi),
                                        deterministic=check_deterministic(deterministic))
+        problem = dataclasses.replace(problem, torch_deterministic=torch_deterministic(problem.needs_grad))
     else:
         missing = [n for n, x in (("dtype", dtype), ("head_dim", head_dim), ("seqlen_q", seqlen_q)) if x is None]
         if missing:
@@ -417,7 +419,10 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
                           mask=_causal_mask(causal, window_size),
                           dropout=check_dropout(dropout_p) > 0, needs_grad=bool(needs_grad),
                           return_lse=bool(return_lse), **softcap_fields(check_softcap(softcap)),
-                          sinks=bool(sinks), alibi=bool(alibi), deterministic=check_deterministic(deterministic))
+                          sinks=bool(sinks), alibi=bool(alibi), deterministic=check_deterministic(deterministic),
+                          torch_deterministic=torch_deterministic(needs_grad))
+    if problem.torch_deterministic:
+        problem = dataclasses.replace(problem, deterministic=True)
     if kv_cache or varlen:
         problem = dataclasses.replace(problem, kv_cache=kv_cache, kv_dtype=kv_dtype, kv_page_size=page_size,
                                       varlen=bool(varlen))

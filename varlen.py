@@ -20,7 +20,7 @@ import torch
 
 from .dispatch.call import Call, Varlen
 from .dispatch.problem import (Problem, check_deterministic, check_scale, check_sinks, check_softcap,
-                               problem_from_tensors)
+                               problem_from_tensors, torch_deterministic)
 from .dispatch.registry import get
 from .dispatch.select import decide_keyed, forced_backend
 from .errors import InvalidInputError
@@ -93,14 +93,16 @@ def decide(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask
     if alibi_slopes is not None:
         alibi_slopes = _slopes(alibi_slopes, sequences, q)
     forced = forced_backend(backend)
+    by_torch = torch_deterministic(needs_grad)
     key = ("varlen", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, sequences,
            longest_q, longest_k, mask, softcap, sinks is not None, alibi_slopes is not None, bool(return_lse),
-           needs_grad, deterministic, forced)
+           needs_grad, deterministic, by_torch, forced)
 
     def problem() -> Problem:
         dense = problem_from_tensors(q4, k4, v4, layout="bshd", mask=mask, return_lse=bool(return_lse),
                                      needs_grad=needs_grad, softcap=softcap, sinks=sinks is not None,
-                                     alibi=alibi_slopes is not None, deterministic=deterministic)
+                                     alibi=alibi_slopes is not None, deterministic=deterministic,
+                                     torch_deterministic=by_torch)
         # (the packed layout's one "batch" of total tokens, as the sequences and longest lengths it holds)
         return dataclasses.replace(dense, batch=sequences, seqlen_q=longest_q, seqlen_k=longest_k, varlen=True)
 

@@ -76,6 +76,9 @@ class Problem:
     sinks: bool = False  # one learnable logit per query head in each row's softmax (the tensor is the Call's)
     alibi: bool = False  # ALiBi: -slope * |i + Nk - Nq - j| added to the scores (the slopes are the Call's)
     deterministic: bool = False  # the backward must be bitwise reproducible (FlashAttention's deterministic=True)
+    # torch.use_deterministic_algorithms(True) was on when a call needing a backward was decided: deterministic too,
+    # as torch's own SDPA kernels are then; a backend whose kernels are torch's leaves it to torch's rules
+    torch_deterministic: bool = False
     # attention_with_kvcache's keys and values: "" (dense k, v), "contiguous" (a (batch, max_seqlen) cache row per
     # sequence) or "paged" (pages a block table names); seqlen_k is then the longest sequence's key count (the
     # cache's capacity when the lengths are not read on the host: check_inputs=False)
@@ -148,7 +151,7 @@ class Problem:
         heads = f"{self.heads_q}" if not self.gqa else f"{self.heads_q}/{self.heads_kv}kv"
         dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), *((f, True) for f in self.score_features),
-                                 ("dropout", self.dropout), ("grad", self.needs_grad), ("deterministic", self.deterministic),
+                                 ("dropout", self.dropout), ("grad", self.needs_grad), ("deterministic" + (" (torch)" if self.torch_deterministic else ""), self.deterministic),
                                  ("lse", self.return_lse),
                                  (f"{self.kv_cache} {self.kv_dtype + ' ' if self.kv_dtype else ''}kv cache"
                                   + (f" (page {self.kv_page_size})" if self.kv_page_size else ""), bool(self.kv_cache)),
@@ -197,9 +200,10 @@ def validate_tensors(q, k, v, layout: str) -> None:
 def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: str = "bhsd", mask: Mask = Mask(),
                          dropout_p: float = 0.0, return_lse: bool = False, needs_grad: bool | None = None,
                          softcap: float = 0.0, sinks: bool = False, alibi: bool = False,
-                         deterministic: bool = False) -> Problem:
+                         deterministic: bool = False, torch_deterministic: bool = False) -> Problem:
     """Validate q, k, v and describe them as a Problem on ``device`` (default: the tensors' device); ``softcap`` is
-    the cap's value (0: none), which softcap_fields turns into the Problem's fields."""
+    the cap's value (0: none), which softcap_fields turns into the Problem's fields. ``torch_deterministic``:
+    what torch_deterministic() said of the call (it implies ``deterministic``)."""
     validate_tensors(q, k, v, layout)
     if device is None:
         device = detect(q.device)
@@ -210,7 +214,8 @@ def problem_from_tensors(q, k, v, device: DeviceSpec | None = None, *, layout: s
                    seqlen_k=k.shape[s], head_dim=q.shape[3], head_dim_v=v.shape[3], dtype=_NAME_OF[q.dtype],
                    device=device, mask=mask, dropout=check_dropout(dropout_p) > 0,
                    needs_grad=bool(needs_grad), return_lse=bool(return_lse), **softcap_fields(softcap),
-                   sinks=bool(sinks), alibi=bool(alibi), deterministic=bool(deterministic))
+                   sinks=bool(sinks), alibi=bool(alibi), deterministic=bool(deterministic or torch_deterministic),
+                   torch_deterministic=bool(torch_deterministic))
 
 
 # The largest softcap whose capped scores fit one fixed softmax offset in bf16, so a kernel may skip the running row
@@ -301,6 +306,12 @@ def check_causal(causal, name: str = "causal") -> bool:
     if isinstance(causal, (bool, torch.SymBool)):  # traced with dynamic shapes (``seqlen > 1``): torch.compile guards on it
         return bool(causal)
     raise InvalidInputError(f"{name} must be a bool (True or False), got {causal!r} of type {type(causal).__name__}")
+
+
+def torch_deterministic(needs_grad: bool) -> bool:
+    """Whether torch.use_deterministic_algorithms(True) binds a call's backward: on (warn_only or not) and a backward
+    is needed. torch's own SDPA kernels then run their reproducible backward (or refuse), and so does attnforge."""
+    return bool(needs_grad) and torch.are_deterministic_algorithms_enabled()
 
 
 def check_deterministic(deterministic) -> bool:

@@ -18,7 +18,7 @@ from . import costs as cost_model
 from . import registry, selfcheck
 from .decision import ABSENT, CHOSEN, ELIGIBLE, REJECTED, Candidate, Choice, Decision
 from .priority import PLANNED_BACKENDS, priority
-from .problem import Problem, problem_from_tensors
+from .problem import Problem, problem_from_tensors, torch_deterministic
 
 logger = logging.getLogger("attnforge")
 
@@ -273,15 +273,17 @@ def decide_call(q, k, v, layout, mask, dropout_p, return_lse, backend, needs_gra
     try:
         if needs_grad is None:
             needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        by_torch = torch_deterministic(needs_grad)
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, layout,
-               mask, dropout_p, return_lse, needs_grad, forced, how, softcap, sinks, alibi, deterministic)
+               mask, dropout_p, return_lse, needs_grad, forced, how, softcap, sinks, alibi, deterministic, by_torch)
         entry = _CALL_CACHE.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the slow path says what
         key, entry = None, None
+        by_torch = needs_grad is not None and torch_deterministic(needs_grad)
     if entry is None:
         problem = problem_from_tensors(q, k, v, layout=layout, mask=mask, dropout_p=dropout_p,
                                        return_lse=return_lse, needs_grad=needs_grad, softcap=softcap, sinks=sinks,
-                                       alibi=alibi, deterministic=deterministic)
+                                       alibi=alibi, deterministic=deterministic, torch_deterministic=by_torch)
         decision = decide(problem, forced, how)
         if not decision.ok:
             raise BackendUnavailableError(str(decision))

@@ -32,6 +32,9 @@ class Support:
     # unless it has a reproducible mode that deterministic=True selects (what that mode does, or "": none)
     nondeterministic_backward: str = ""
     deterministic_backward: str = ""
+    # its kernels are torch's own, which follow torch.use_deterministic_algorithms themselves (reproducible, or
+    # torch's own error or warning): a call decided while that is on (Problem.torch_deterministic) may take them
+    follows_torch_determinism: bool = False
     empty: bool = True  # zero-sized batch, heads or sequence
     kv_cache: frozenset[str] = frozenset()  # the KV caches it reads in place ("contiguous", "paged")
     # the fp8 KV caches it reads, with descales, for fp16/bf16 queries (Problem.kv_dtype names: "fp8", "fp8_fnuz")
@@ -101,7 +104,10 @@ class Support:
     def determinism_reasons(self, p: Problem) -> list[str]:
         """With deterministic=True: why its backward does not serve (it is not bitwise reproducible)."""
         if p.deterministic and self.nondeterministic_backward and not self.deterministic_backward:
-            return [f"deterministic=True: its backward is not bitwise reproducible ({self.nondeterministic_backward})"]
+            if p.torch_deterministic and self.follows_torch_determinism:
+                return []
+            asked = "torch.use_deterministic_algorithms(True)" if p.torch_deterministic else "deterministic=True"
+            return [f"{asked}: its backward is not bitwise reproducible ({self.nondeterministic_backward})"]
         return []
 
     def reproducibility(self, p: Problem) -> str:
@@ -110,6 +116,8 @@ class Support:
             return "bitwise reproducible"
         if p.deterministic and self.deterministic_backward:
             return f"bitwise reproducible ({self.deterministic_backward})"
+        if p.torch_deterministic and self.follows_torch_determinism:
+            return "as torch.use_deterministic_algorithms(True) has torch's kernels run it"
         return "not bitwise reproducible" + (f" (deterministic=True: {self.deterministic_backward})"
                                              if self.deterministic_backward else "")
 

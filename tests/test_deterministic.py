@@ -124,3 +124,70 @@ def test_deterministic_training_with_softcap_or_alibi_takes_triton_fa2s_backward
     assert fixed.backward.backend == "triton_fa2" and fixed.backward.note == "bitwise reproducible"
     assert fixed.backward.reasons_of("cute_sm90") == (
         "its deterministic backward has no softcap or ALiBi (the default one has)",)
+
+
+@pytest.fixture(params=[False, True], ids=["strict", "warn_only"])
+def torch_deterministic_algorithms(request):
+    """torch.use_deterministic_algorithms(True) for the test (strict or warn_only), restored after it."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=request.param)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_torchs_deterministic_flag_binds_training_as_deterministic_true_does(torch_deterministic_algorithms):
+    """Under torch.use_deterministic_algorithms(True), as torch's own SDPA kernels do, a call that needs a backward
+    takes a bitwise reproducible one: cute_sm90 forced runs its key-block-order kernel, and the Decision says why."""
+    shape = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=2048, heads=8, needs_grad=True)
+    d = explain(**shape, backend="cute_sm90")
+    assert d.problem.deterministic and d.problem.torch_deterministic
+    assert d.backward.backend == "cute_sm90" and d.backward.variant.deterministic
+    assert d.backward.note == "bitwise reproducible (dQ summed in key-block order)"
+    assert "deterministic (torch)" in d.problem.describe()
+    inference = explain(**{**shape, "needs_grad": False}, backend="cute_sm90")
+    assert not inference.problem.deterministic and not inference.problem.torch_deterministic
+
+
+@pytest.mark.cost_tables
+def test_torchs_deterministic_flag_leaves_sdpa_to_torchs_rules(torch_deterministic_algorithms):
+    """deterministic=True refuses sdpa (its backward's order is torch's to choose), but under torch's own flag torch
+    chooses a reproducible one (or refuses), so sdpa stays: the shape where the table measured sdpa's pair fastest
+    keeps it, with the note saying so; deterministic=True beside the flag still refuses it."""
+    select.decide.cache_clear()
+    shape = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=1024, batch=16, heads=16, causal=True,
+                 needs_grad=True)
+    d = explain(**shape)
+    assert (d.forward.backend, d.backward.backend) == ("sdpa", "sdpa")
+    assert d.backward.note == ("torch autograd through its forward, as torch.use_deterministic_algorithms(True) has "
+                               "torch's kernels run it")
+    cute = explain(**shape, backend="cute_sm90")
+    assert cute.backward.variant.deterministic
+
+
+def test_torchs_deterministic_flag_on_a_cpu_step(torch_deterministic_algorithms, gen):
+    """attention() with grad under torch's flag: the Decision is recorded as deterministic (torch), the gradients
+    are bitwise reproducible, and once the flag is off the same call signature decides afresh."""
+    q, k, v = (torch.randn(2, 4, 67, 32, generator=gen).requires_grad_() for _ in range(3))
+    dout = torch.randn(2, 4, 67, 32, generator=gen)
+    grads = [torch.autograd.grad(attnforge.attention(q, k, v, causal=True), (q, k, v), dout) for _ in range(2)]
+    d = attnforge.last_decision()
+    assert d.problem.deterministic and d.problem.torch_deterministic
+    assert d.backward.note in ("bitwise reproducible", "torch autograd through its forward, as "
+                               "torch.use_deterministic_algorithms(True) has torch's kernels run it")
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    with torch.no_grad():
+        attnforge.attention(q, k, v, causal=True)
+    assert not attnforge.last_decision().problem.torch_deterministic
+    torch.use_deterministic_algorithms(False)
+    attnforge.attention(q, k, v, causal=True)
+    assert not attnforge.last_decision().problem.deterministic
+
+
+def test_torchs_deterministic_flag_binds_packed_training(torch_deterministic_algorithms, gen):
+    q, k, v = (torch.randn(40, 2, 32, generator=gen).requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    attnforge.attention_varlen(q, k, v, cu, cu, 23, 23, causal=True)
+    d = attnforge.last_decision()
+    assert d.problem.varlen and d.problem.deterministic and d.problem.torch_deterministic

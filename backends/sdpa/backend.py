@@ -48,6 +48,7 @@ class SdpaBackend(Backend):
         varlen=True,  # a packed batch one sequence at a time (a launch or more each): see _packed
         nondeterministic_backward=("torch's SDPA kernel computes it, in a summation order attnforge does not control; "
                                    "torch.use_deterministic_algorithms governs it"),
+        follows_torch_determinism=True,
     )
 
     def _plan(self, problem: Problem) -> Planned:
