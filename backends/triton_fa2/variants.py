@@ -126,7 +126,8 @@ class KVTile:
     num_stages: int
     # PAGE_LOOKAHEAD in the template: a paged cache's block-table entries are read one key step ahead of the K and V
     # loads that use them, so the software pipeline issues those loads without waiting for a block-table read (a
-    # template option: no table tile takes it until it is timed; benchmarks/decode_floor.py --tiles m,n,w,s,1)
+    # template option: no table tile takes it until it is timed; benchmarks/decode_floor.py --tiles m,n,w,s,1, and
+    # benchmarks/run_paged_lookahead.sh beside the tiles without it)
     lookahead: bool = False
 
     @property
