@@ -93,6 +93,24 @@ def test_an_empty_cache_gives_zero_and_minus_inf(gen):
     assert (out == 0).all() and (lse == float("-inf")).all()
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_of_no_sequences_gives_empty_outputs(layout, dtype, gen):
+    """A decode step with no sequences (an idle serving batch): empty output and LSE of the right shapes and dtypes,
+    with or without an append, as attention() gives for a batch of 0."""
+    k_cache, v_cache = (torch.randn(B, NMAX, HKV, D, generator=gen).to(dtype) for _ in range(2))
+    table = torch.zeros(0, NMAX // PAGE, dtype=torch.int32) if layout == "paged" else None
+    if table is not None:
+        k_cache, v_cache = (x.reshape(-1, PAGE, HKV, D) for x in (k_cache, v_cache))
+    q = torch.randn(0, 2, HQ, D, generator=gen).to(dtype)
+    new = torch.randn(0, 1, HKV, D, generator=gen).to(dtype)
+    for k, v in ((None, None), (new, new)):
+        out, lse = attnforge.attention_with_kvcache(q, k_cache, v_cache, k, v, block_table=table, return_lse=True,
+                                                    cache_seqlens=torch.zeros(0, dtype=torch.int32))
+        assert out.shape == (0, 2, HQ, D) and out.dtype == dtype
+        assert lse.shape == (0, HQ, 2) and lse.dtype == torch.float32
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(cache_seqlens=torch.tensor([5, 0, 38], dtype=torch.int32)), "does not fit"),
     (dict(cache_seqlens=torch.tensor([5, 0, 17])), "cache_seqlens must be an int or an int32"),

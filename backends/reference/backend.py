@@ -64,6 +64,9 @@ class ReferenceBackend(Backend):
         """Each sequence on its own: its cache positions gathered (a view of a contiguous cache, a copy of its
         pages), then the dense forward. Reads the lengths and block table on the host."""
         cache = call.cache
+        if call.q.shape[0] == 0:  # no sequences: nothing to stack
+            return (call.q.new_empty((*call.q.shape[:3], call.v.shape[3])),
+                    call.q.new_empty(call.q.shape[:3], dtype=kernels.accumulation_dtype(call.q.dtype)))
         ends = cache.seqlens.tolist()
         starts = cache.leftpad.tolist() if cache.leftpad is not None else [0] * len(ends)
         pages = cache.block_table.tolist() if cache.block_table is not None else None
