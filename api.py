@@ -401,13 +401,12 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
     if q is not None or k is not None or v is not None:
         if q is None or k is None or v is None:
             raise InvalidInputError("explain() takes q, k and v together, or none of them and plain shapes")
+        grad = needs_grad or q.requires_grad or k.requires_grad or v.requires_grad
         problem = problem_from_tensors(q, k, v, spec, layout=layout, mask=_causal_mask(causal, window_size),
-                                       dropout_p=dropout_p,
-                                       return_lse=return_lse,
-                                       needs_grad=needs_grad or q.requires_grad or k.requires_grad or v.requires_grad,
+                                       dropout_p=dropout_p, return_lse=return_lse, needs_grad=grad,
                                        softcap=check_softcap(softcap), sinks=bool(sinks), alibi=bool(alibi),
-                                       deterministic=check_deterministic(deterministic))
-        problem = dataclasses.replace(problem, torch_deterministic=torch_deterministic(problem.needs_grad))
+                                       deterministic=check_deterministic(deterministic),
+                                       torch_deterministic=torch_deterministic(grad))
     else:
         missing = [n for n, x in (("dtype", dtype), ("head_dim", head_dim), ("seqlen_q", seqlen_q)) if x is None]
         if missing:
@@ -419,10 +418,9 @@ def explain(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: tor
                           mask=_causal_mask(causal, window_size),
                           dropout=check_dropout(dropout_p) > 0, needs_grad=bool(needs_grad),
                           return_lse=bool(return_lse), **softcap_fields(check_softcap(softcap)),
-                          sinks=bool(sinks), alibi=bool(alibi), deterministic=check_deterministic(deterministic),
+                          sinks=bool(sinks), alibi=bool(alibi),
+                          deterministic=check_deterministic(deterministic) or torch_deterministic(needs_grad),
                           torch_deterministic=torch_deterministic(needs_grad))
-    if problem.torch_deterministic:
-        problem = dataclasses.replace(problem, deterministic=True)
     if kv_cache or varlen:
         problem = dataclasses.replace(problem, kv_cache=kv_cache, kv_dtype=kv_dtype, kv_page_size=page_size,
                                       varlen=bool(varlen))

@@ -151,7 +151,8 @@ class Problem:
         heads = f"{self.heads_q}" if not self.gqa else f"{self.heads_q}/{self.heads_kv}kv"
         dims = f"d={self.head_dim}" + (f"/dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
         flags = [f for f, on in ((self.mask.describe(), self.mask != Mask()), *((f, True) for f in self.score_features),
-                                 ("dropout", self.dropout), ("grad", self.needs_grad), ("deterministic" + (" (torch)" if self.torch_deterministic else ""), self.deterministic),
+                                 ("dropout", self.dropout), ("grad", self.needs_grad),
+                                 ("deterministic" + (" (torch)" if self.torch_deterministic else ""), self.deterministic),
                                  ("lse", self.return_lse),
                                  (f"{self.kv_cache} {self.kv_dtype + ' ' if self.kv_dtype else ''}kv cache"
                                   + (f" (page {self.kv_page_size})" if self.kv_page_size else ""), bool(self.kv_cache)),

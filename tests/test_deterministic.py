@@ -154,7 +154,7 @@ def test_torchs_deterministic_flag_binds_training_as_deterministic_true_does(tor
 def test_torchs_deterministic_flag_leaves_sdpa_to_torchs_rules(torch_deterministic_algorithms):
     """deterministic=True refuses sdpa (its backward's order is torch's to choose), but under torch's own flag torch
     chooses a reproducible one (or refuses), so sdpa stays: the shape where the table measured sdpa's pair fastest
-    keeps it, with the note saying so; deterministic=True beside the flag still refuses it."""
+    keeps it, with the note saying so, while cute_sm90 forced there takes its deterministic kernel."""
     select.decide.cache_clear()
     shape = dict(device="H100", dtype="bf16", head_dim=128, seqlen_q=1024, batch=16, heads=16, causal=True,
                  needs_grad=True)
