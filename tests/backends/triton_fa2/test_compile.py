@@ -206,7 +206,7 @@ def test_kvcache_kernels_compile_for_their_targets(backend, arch, cache):
 
 @pytest.mark.parametrize("backend,arch", [("triton_fa2", "sm90"), ("triton_fa2", "sm80"), ("triton_rocm", "gfx942")])
 def test_paged_kvcache_kernels_with_lookahead_compile(backend, arch, cache):
-    """KVTile.lookahead (block-table entries read a key step ahead), a template option no table tile takes yet: the
+    """KVTile.lookahead (block-table entries read a key step ahead), a template option no table tile takes: the
     paged kernels of each target's d=128 decode tile compile with it, within the shared memory the tile's estimate
     names."""
     b = registered()[backend]

@@ -163,7 +163,7 @@ def test_every_kvcache_tile_fp32(tile, paged, gen):
         assert_close("lse", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ulps)
 
 
-# KVTile.lookahead (PAGE_LOOKAHEAD in the template), a template option no table tile takes yet: each KV-cache tile's
+# KVTile.lookahead (PAGE_LOOKAHEAD in the template), a template option no table tile takes: each KV-cache tile's
 # twin with it
 LOOKAHEAD_TILES = [(backend, family, dataclasses.replace(tile, lookahead=True)) for backend, family, tile in KV_TILES]
 
