@@ -10,7 +10,6 @@ import re
 import pytest
 import torch
 
-import attnforge
 from attnforge import InvalidInputError
 from attnforge.api import _causal_mask
 from attnforge.integrations import flash_attn as fa
@@ -132,14 +131,30 @@ def test_varlen_packed_forms_give_the_separate_forms_results(gen):
         assert torch.equal(got, out) and torch.equal(got_lse, lse)
 
 
+# the KV-cache kernels run on a GPU in 16-bit (triton_fa2, cute_sm90); on the CPU reference serves fp32
+DEVICES = [pytest.param("cpu", torch.float32, id="cpu"),
+           pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=[pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available(), reason="needs an NVIDIA GPU")])]
+
+
+def _check_decode(out, lse, q, caches, lengths, feature):
+    """Each sequence's output and LSE against fp64 math on its first ``lengths[b]`` cached keys and values."""
+    for b, n in enumerate(lengths):
+        one = [q[b:b + 1], caches[0][b:b + 1, :n], caches[1][b:b + 1, :n]]
+        ref, ref_lse, peer, _ = _expected(*one, feature, None, torch.zeros_like(one[0]))
+        assert_close(f"out {b}", out[b:b + 1].cpu(), ref, peer, ulps=ULPS)
+        if lse is not None:
+            assert_close(f"lse {b}", lse[b:b + 1].cpu(), ref_lse, ref_lse.float(), ulps=ULPS)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("paged", [False, True])
-def test_kvcache_function_matches_fp64_math(paged, gen):
+def test_kvcache_function_matches_fp64_math(paged, device, dtype, gen):
     """Appends in place, decode against cached lengths 9 and 4, bottom-right causal, softcap, the LSE; a paged
     cache in pages of 4 in a shuffled pool."""
     batch, capacity, page = 2, 16, 4
-    cache = [torch.randn(batch, capacity, 2, 16, generator=gen) for _ in range(2)]
-    q, new_k, new_v = torch.randn(batch, 2, 4, 16, generator=gen), *(torch.randn(batch, 2, 2, 16, generator=gen)
-                                                                     for _ in range(2))
+    cache = [torch.randn(batch, capacity, 2, 16, generator=gen).to(dtype) for _ in range(2)]
+    q, new_k, new_v = (torch.randn(batch, *shape, 16, generator=gen).to(dtype) for shape in ((2, 4), (2, 2), (2, 2)))
     lengths = torch.tensor([9, 4], dtype=torch.int32)
     expected = [c.clone() for c in cache]
     for b, n in enumerate(lengths.tolist()):
@@ -147,39 +162,38 @@ def test_kvcache_function_matches_fp64_math(paged, gen):
     block_table = None
     if paged:
         order = torch.randperm(batch * capacity // page, generator=gen)
-        block_table = order.view(batch, -1).to(torch.int32)
-        pools = [torch.empty(batch * capacity // page, page, 2, 16) for _ in range(2)]
+        block_table = order.view(batch, -1).to(torch.int32).to(device)
+        pools = [torch.empty(batch * capacity // page, page, 2, 16, dtype=dtype) for _ in range(2)]
         for pool, c in zip(pools, cache):
             pool[order] = c.reshape(-1, page, 2, 16)
         cache = pools
-    out, lse = fa.flash_attn_with_kvcache(q, *cache, new_k, new_v, cache_seqlens=lengths, block_table=block_table,
+    cache = [c.to(device) for c in cache]
+    out, lse = fa.flash_attn_with_kvcache(q.to(device), *cache, new_k.to(device), new_v.to(device),
+                                         cache_seqlens=lengths.to(device), block_table=block_table,
                                          softmax_scale=0.3, causal=True, softcap=2.0, return_softmax_lse=True)
+    cache = [c.cpu() for c in cache]
     if paged:
-        cache = [pool[block_table.long()].reshape(batch, capacity, 2, 16) for pool in cache]
+        cache = [pool[block_table.long().cpu()].reshape(batch, capacity, 2, 16) for pool in cache]
     assert all(torch.equal(c, e) for c, e in zip(cache, expected)), "appended keys and values not in place"
-    feature = dict(causal=True, softcap=2.0)
-    for b, n in enumerate((lengths + 2).tolist()):
-        one = [q[b:b + 1], expected[0][b:b + 1, :n], expected[1][b:b + 1, :n]]
-        ref, ref_lse, peer, _ = _expected(*one, feature, None, torch.zeros_like(one[0]))
-        assert_close(f"out {b}", out[b:b + 1], ref, peer, ulps=ULPS)
-        assert_close(f"lse {b}", lse[b:b + 1], ref_lse, ref_lse.float(), ulps=ULPS)
+    _check_decode(out, lse, q, expected, (lengths + 2).tolist(), dict(causal=True, softcap=2.0))
 
 
-def test_cache_batch_idx_picks_each_sequences_cache_row(gen):
+@pytest.mark.parametrize("device,dtype", DEVICES)
+def test_cache_batch_idx_picks_each_sequences_cache_row(device, dtype, gen):
     """Sequence b reads, and appends to, cache row cache_batch_idx[b]; the other rows are untouched."""
-    k_cache, v_cache = (torch.randn(4, 16, 2, 16, generator=gen) for _ in range(2))
-    q, new_k, new_v = torch.randn(2, 1, 4, 16, generator=gen), *(torch.randn(2, 1, 2, 16, generator=gen)
-                                                                 for _ in range(2))
-    rows = torch.tensor([3, 1], dtype=torch.int32)
-    lengths = torch.tensor([9, 4], dtype=torch.int32)
-    by_row = [c[rows.long()].clone() for c in (k_cache, v_cache)]
-    untouched = [c[[0, 2]].clone() for c in (k_cache, v_cache)]
-    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=lengths, cache_batch_idx=rows,
-                                     causal=True)
-    expected = attnforge.attention_with_kvcache(q, *by_row, new_k, new_v, cache_seqlens=lengths, causal=True)
-    assert torch.equal(out, expected)
-    assert torch.equal(k_cache[rows.long()], by_row[0]) and torch.equal(v_cache[rows.long()], by_row[1])
-    assert torch.equal(k_cache[[0, 2]], untouched[0]) and torch.equal(v_cache[[0, 2]], untouched[1])
+    k_cache, v_cache = (torch.randn(4, 16, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    q, new_k, new_v = (torch.randn(2, 1, heads, 16, generator=gen).to(dtype) for heads in (4, 2, 2))
+    rows, lengths = torch.tensor([3, 1], dtype=torch.int32), torch.tensor([9, 4], dtype=torch.int32)
+    expected = [c.clone() for c in (k_cache, v_cache)]
+    for b, (row, n) in enumerate(zip(rows.tolist(), lengths.tolist())):
+        expected[0][row, n], expected[1][row, n] = new_k[b, 0], new_v[b, 0]
+    caches = [c.to(device) for c in (k_cache, v_cache)]
+    out = fa.flash_attn_with_kvcache(q.to(device), *caches, new_k.to(device), new_v.to(device),
+                                     cache_seqlens=lengths.to(device), cache_batch_idx=rows.to(device), causal=True,
+                                     softmax_scale=0.3)
+    assert all(torch.equal(c.cpu(), e) for c, e in zip(caches, expected)), "not appended to exactly those rows"
+    by_row = [e[rows.long()] for e in expected]
+    _check_decode(out, None, q, by_row, (lengths + 1).tolist(), dict(causal=True))
 
 
 @pytest.mark.parametrize("call,words", [
