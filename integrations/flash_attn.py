@@ -18,6 +18,10 @@ Where this differs from flash-attn, it says so instead of computing something el
   ``rotary_sin``: apply them to q and k before the call) and ALiBi.
 - ``cache_batch_idx`` (sequence b reads and appends to cache row ``cache_batch_idx[b]``) is served by reading the
   contiguous cache as a paged one whose pages are whole rows: no copy of the cache.
+- flash_attn_with_kvcache checks the lengths and rows on the host (one sync) and raises on a value outside the
+  cache, except while a CUDA graph is being captured: then it reads nothing on the host, as flash-attn does, so a
+  decode step can be captured, and a value outside the cache gives NaN rows (attention_with_kvcache's
+  ``check_inputs=False``).
 """
 
 from __future__ import annotations
@@ -111,14 +115,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                 "here: rotate q and k before the call")
     if alibi_slopes is not None:
         raise InvalidInputError("ALiBi against a KV cache is not supported (alibi_slopes)")
+    checked = not _capturing(q)
     if cache_batch_idx is not None:
         # a contiguous (batch_cache, seqlen_cache, heads_kv, head_dim) cache is a paged one of batch_cache pages
         # of seqlen_cache rows: sequence b's one page is row cache_batch_idx[b]
-        block_table = _rows_as_pages(cache_batch_idx, q, block_table)
+        block_table = _rows_as_pages(cache_batch_idx, q, block_table, k_cache, checked)
     return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
                                   cache_leftpad=cache_leftpad, causal=causal, scale=softmax_scale,
                                   window_size=_window(window_size), softcap=softcap, num_splits=num_splits,
-                                  return_lse=bool(return_softmax_lse))
+                                  return_lse=bool(return_softmax_lse), check_inputs=checked)
+
+
+def _capturing(q) -> bool:
+    """Whether a CUDA graph is being captured on q's device (where no host read may happen)."""
+    return (isinstance(q, torch.Tensor) and q.device.type == "cuda" and not torch.compiler.is_compiling()
+            and torch.cuda.is_current_stream_capturing())
 
 
 def _window(window_size):
@@ -134,8 +145,9 @@ def _unpack(packed, name: str, parts: int, dim: int) -> tuple:
     return packed.unbind(dim)
 
 
-def _rows_as_pages(cache_batch_idx, q, block_table) -> torch.Tensor:
-    """cache_batch_idx as the block table of a paged cache whose pages are the contiguous cache's rows."""
+def _rows_as_pages(cache_batch_idx, q, block_table, k_cache, checked: bool) -> torch.Tensor:
+    """cache_batch_idx as the block table of a paged cache whose pages are the contiguous cache's rows (with
+    ``checked``, each row read on the host and checked to be one of the cache's)."""
     if block_table is not None:
         raise InvalidInputError("cache_batch_idx indexes a contiguous cache: it cannot be combined with block_table")
     if (not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32
@@ -143,4 +155,9 @@ def _rows_as_pages(cache_batch_idx, q, block_table) -> torch.Tensor:
         raise InvalidInputError(f"cache_batch_idx must be an int32 (batch,) = ({q.shape[0]},) tensor, got "
                                 f"{getattr(cache_batch_idx, 'dtype', type(cache_batch_idx))} "
                                 f"{tuple(getattr(cache_batch_idx, 'shape', ()))}")
+    if checked and isinstance(k_cache, torch.Tensor) and not torch.compiler.is_compiling():
+        rows = k_cache.shape[0]
+        outside = sorted({row for row in cache_batch_idx.tolist() if not 0 <= row < rows})
+        if outside:
+            raise InvalidInputError(f"cache_batch_idx names rows outside the cache's {rows}: {outside}")
     return cache_batch_idx.unsqueeze(1)

@@ -196,6 +196,39 @@ def test_cache_batch_idx_picks_each_sequences_cache_row(device, dtype, gen):
     _check_decode(out, None, q, by_row, (lengths + 1).tolist(), dict(causal=True))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("layout", ["contiguous", "cache_batch_idx"])
+def test_kvcache_function_is_captured_in_a_cuda_graph(layout, gen, monkeypatch):
+    """While a CUDA graph is captured nothing is read on the host (flash-attn's call is capturable): the replay
+    appends in place and attends, against fp64 math, with the lengths the replay finds."""
+    k_cache, v_cache = (torch.randn(3, 64, 2, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q, new_k, new_v = (torch.randn(2, 1, heads, 16, generator=gen).to(torch.bfloat16) for heads in (4, 2, 2))
+    rows = [2, 0] if layout == "cache_batch_idx" else [0, 1]
+    caches = [c.to("cuda") for c in (k_cache, v_cache)]
+    lengths = torch.tensor([9, 4], dtype=torch.int32, device="cuda")
+    batch_idx = torch.tensor(rows, dtype=torch.int32, device="cuda") if layout == "cache_batch_idx" else None
+
+    def step(kv):
+        return fa.flash_attn_with_kvcache(q.cuda(), *kv, new_k.cuda(), new_v.cuda(), cache_seqlens=lengths,
+                                         cache_batch_idx=batch_idx, softmax_scale=0.3, causal=True)
+
+    with monkeypatch.context() as patch:  # the captured form, compiled and warmed up outside the capture
+        patch.setattr(fa, "_capturing", lambda q: True)
+        step([c.clone() for c in caches])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(caches)
+    lengths.copy_(torch.tensor([30, 17], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = [c.clone() for c in (k_cache, v_cache)]
+    for b, (row, n) in enumerate(zip(rows, (30, 17))):
+        expected[0][row, n], expected[1][row, n] = new_k[b, 0], new_v[b, 0]
+    assert all(torch.equal(c.cpu(), e) for c, e in zip(caches, expected)), "the replay did not append in place"
+    _check_decode(out, None, q, [e[rows] for e in expected], [31, 18], dict(causal=True))
+
+
 @pytest.mark.parametrize("call,words", [
     (lambda q, c, cu, idx: fa.flash_attn_with_kvcache(q, c, c, rotary_cos=torch.ones(16, 8),
                                                       rotary_sin=torch.zeros(16, 8)), "rotary"),
@@ -203,6 +236,8 @@ def test_cache_batch_idx_picks_each_sequences_cache_row(device, dtype, gen):
     (lambda q, c, cu, idx: fa.flash_attn_with_kvcache(q, c, c, cache_batch_idx=idx.long()), "cache_batch_idx"),
     (lambda q, c, cu, idx: fa.flash_attn_with_kvcache(q, c, c, cache_batch_idx=idx,
                                                       block_table=idx.unsqueeze(1)), "block_table"),
+    (lambda q, c, cu, idx: fa.flash_attn_with_kvcache(q, c, c, cache_batch_idx=idx + 1),
+     re.escape("cache_batch_idx names rows outside the cache's 2: [2]")),
     (lambda q, c, cu, idx: fa.flash_attn_varlen_func(q[0], c[0], c[0], cu, cu, 1, 1, dropout_p=0.1), "dropout"),
     (lambda q, c, cu, idx: fa.flash_attn_varlen_func(q[0], c[0], c[0], cu, cu, 1, 1,
                                                      block_table=idx.unsqueeze(1)), "paged"),
