@@ -13,7 +13,7 @@ import torch
 from attnforge import InvalidInputError
 from attnforge.api import _causal_mask
 from attnforge.integrations import flash_attn as fa
-from attnforge.testing import assert_close, oracle, peer_error
+from attnforge.testing import assert_close, assert_grads_close, oracle, peer_error
 
 # flash-attn 2.8.3's flash_attn/flash_attn_interface.py: each function's parameters and defaults, in order
 COMMON = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0),
@@ -57,14 +57,22 @@ def _features(feature, gen, heads):
     return kw, slopes
 
 
+def _mask(feature):
+    return _causal_mask(feature.get("causal", False), tuple(feature.get("window_size", (-1, -1))))
+
+
+def _bhsd(tensors):
+    return [t.transpose(1, 2) for t in tensors]
+
+
 def _expected(q, k, v, feature, slopes, dout):
-    """fp64 math for bshd q, k, v: (out, lse (batch, heads, seqlen_q), grads in bshd), and the peer's error."""
-    bhsd = [t.transpose(1, 2) for t in (q, k, v, dout)]
-    mask = _causal_mask(feature.get("causal", False), tuple(feature.get("window_size", (-1, -1))))
-    kw = dict(mask=mask, scale=0.3, softcap=feature.get("softcap", 0.0), alibi_slopes=slopes, dout=bhsd[3])
+    """fp64 math for bshd q, k, v: out (bshd), lse (batch, heads, seqlen_q), PyTorch's own out in the inputs' dtype
+    (bshd), and the gradients of fp64 math and of PyTorch's (bhsd, as testing.assert_grads_close takes them)."""
+    bhsd = _bhsd((q, k, v, dout))
+    kw = dict(mask=_mask(feature), scale=0.3, softcap=feature.get("softcap", 0.0), alibi_slopes=slopes, dout=bhsd[3])
     ref, ref_lse, ref_grads = oracle(*bhsd[:3], **kw)
     peer, peer_grads = peer_error(*bhsd[:3], **kw)
-    return ref.transpose(1, 2), ref_lse, peer.transpose(1, 2), [g.transpose(1, 2) for g in ref_grads]
+    return ref.transpose(1, 2), ref_lse, peer.transpose(1, 2), ref_grads, peer_grads
 
 
 @pytest.mark.parametrize("feature", FEATURES, ids=str)
@@ -86,14 +94,14 @@ def test_dense_functions_match_fp64_math(feature, packing, gen):
         out, lse, probs = fa.flash_attn_func(*leaves, **args)
     assert probs is None and out.shape == q.shape and lse.shape == (2, 4, 17) and lse.dtype == torch.float32
     dout = torch.randn(out.shape, generator=gen)
-    ref, ref_lse, peer, ref_grads = _expected(q.detach(), k, v, feature, slopes, dout)
+    ref, ref_lse, peer, ref_grads, peer_grads = _expected(q.detach(), k, v, feature, slopes, dout)
     assert_close("out", out, ref, peer, ulps=ULPS)
     assert_close("lse", lse, ref_lse, ref_lse.float(), ulps=ULPS)
     grads = torch.autograd.grad(out, leaves, dout)
     # the packed tensor's gradient is its parts' gradients stacked where the parts were
     unpacked = {"qkv": lambda g: g[0].unbind(2), "kv": lambda g: (g[0], *g[1].unbind(2)), "separate": lambda g: g}
-    for name, got, want in zip("qkv", unpacked[packing](grads), ref_grads):
-        assert_close(f"d{name}", got, want.float(), want.float(), ulps=16 * ULPS)
+    assert_grads_close(_bhsd(unpacked[packing](grads)), ref_grads, peer_grads,
+                       *_bhsd((q.detach(), k.detach(), v.detach(), dout)), _mask(feature), 0.3, ulps=ULPS)
 
 
 def _packed(gen, lengths_q, lengths_k, heads=4, heads_kv=2, dim=16):
@@ -114,7 +122,7 @@ def test_varlen_function_matches_fp64_math_per_sequence(feature, gen):
     for i in range(3):
         rows_q, rows_k = slice(*cu_q[i:i + 2].tolist()), slice(*cu_k[i:i + 2].tolist())
         one = [t[rows].unsqueeze(0) for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k))]
-        ref, ref_lse, peer, _ = _expected(*one, feature, slopes, torch.zeros_like(one[0]))
+        ref, ref_lse, peer, _, _ = _expected(*one, feature, slopes, torch.zeros_like(one[0]))
         assert_close(f"out {i}", out[rows_q].unsqueeze(0), ref, peer, ulps=ULPS)
         assert_close(f"lse {i}", lse[:, rows_q].unsqueeze(0), ref_lse, ref_lse.float(), ulps=ULPS)
 
@@ -141,7 +149,7 @@ def _check_decode(out, lse, q, caches, lengths, feature):
     """Each sequence's output and LSE against fp64 math on its first ``lengths[b]`` cached keys and values."""
     for b, n in enumerate(lengths):
         one = [q[b:b + 1], caches[0][b:b + 1, :n], caches[1][b:b + 1, :n]]
-        ref, ref_lse, peer, _ = _expected(*one, feature, None, torch.zeros_like(one[0]))
+        ref, ref_lse, peer, _, _ = _expected(*one, feature, None, torch.zeros_like(one[0]))
         assert_close(f"out {b}", out[b:b + 1].cpu(), ref, peer, ulps=ULPS)
         if lse is not None:
             assert_close(f"lse {b}", lse[b:b + 1].cpu(), ref_lse, ref_lse.float(), ulps=ULPS)
